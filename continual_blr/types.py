@@ -25,6 +25,8 @@ __all__ = [
     "unflatten",
     "num_params",
     "parse_enum",
+    "KronBlock",
+    "KronCurvature",
 ]
 
 
@@ -66,6 +68,36 @@ class Curvature(str, Enum):
     EMPIRICAL_FISHER = "empirical_fisher"
     MC_FISHER = "mc_fisher"
     HESSIAN = "hessian"
+
+
+class KronBlock(NamedTuple):
+    """One layer's Kronecker-factored curvature ``A ⊗ G``.
+
+    Convention (used by the curvature engine and by :class:`~continual_blr.posteriors.KronPosterior`):
+    the layer's parameters form the matrix Θ = [W.reshape(d_out, -1) | b] ∈ R^{d_out × d_in'} with
+    d_in' = d_in (+1 when there is a bias; for Conv2d d_in = C_in·k_h·k_w). The curvature acts on Θ
+    as Θ ↦ G Θ A, i.e. it is the matrix G ⊗ A on the row-major vectorisation of Θ (equivalently
+    A ⊗ G on the column-major one).
+
+    Attributes:
+        weight: name of the weight parameter in the ParamDict.
+        bias: name of the bias parameter, or None.
+        A: (d_in', d_in') symmetric factor over the layer's (bias-augmented) inputs.
+        G: (d_out, d_out) symmetric factor over the layer's outputs (pre-activations).
+    """
+
+    weight: str
+    bias: str | None
+    A: Tensor
+    G: Tensor
+
+
+class KronCurvature(NamedTuple):
+    """A Kronecker-factored curvature of a whole model: one block per Linear/Conv2d layer, and a diagonal
+    for every other parameter (e.g. BatchNorm affine weights) in ``diag``."""
+
+    blocks: list[KronBlock]
+    diag: ParamDict
 
 
 def parse_enum(enum_cls: type[Enum], value: object, field: str) -> Enum:

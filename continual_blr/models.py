@@ -1,0 +1,116 @@
+"""Networks used by the benchmarks, all with the call convention ``model(x, head=0) -> logits``.
+
+``head`` picks the output head of a multi-head (task-incremental) network; single-head networks
+accept and ignore it, so the training loop, the curvature engine and the regularisers call every
+model the same way (``functional_call(model, params, (x,), {"head": h})``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["MLP", "CifarNet", "MultiHeadNet", "build_model"]
+
+
+class MultiHeadNet(nn.Module):
+    """A shared body followed by ``n_heads`` linear heads of ``n_outputs`` each.
+
+    With ``n_heads == 1`` this is an ordinary classifier and ``head`` is ignored.
+    """
+
+    def __init__(self, body: nn.Module, feature_dim: int, n_outputs: int, n_heads: int = 1) -> None:
+        super().__init__()
+        self.body = body
+        self.heads = nn.ModuleList(nn.Linear(feature_dim, n_outputs) for _ in range(n_heads))
+
+    @property
+    def n_heads(self) -> int:
+        return len(self.heads)
+
+    def forward(self, x: Tensor, head: int = 0) -> Tensor:
+        h = self.body(x)
+        if self.n_heads == 1:
+            return self.heads[0](h)
+        return self.heads[int(head)](h)
+
+
+def _mlp_body(in_features: int, hidden: tuple[int, ...]) -> tuple[nn.Module, int]:
+    layers: list[nn.Module] = [nn.Flatten()]
+    width = in_features
+    for h in hidden:
+        layers += [nn.Linear(width, h), nn.ReLU()]
+        width = h
+    return nn.Sequential(*layers), width
+
+
+class MLP(MultiHeadNet):
+    """Fully connected ReLU network ``in → hidden… → heads`` (FROMP / VCL MNIST nets)."""
+
+    def __init__(
+        self, in_features: int, hidden: tuple[int, ...], n_outputs: int, n_heads: int = 1
+    ) -> None:
+        body, width = _mlp_body(in_features, tuple(hidden))
+        super().__init__(body, width, n_outputs, n_heads)
+
+
+class CifarNet(MultiHeadNet):
+    """FROMP's split-CIFAR network: 4 conv layers (32, 32, 64, 64), two max-pools, fc 512, dropout.
+
+    Args:
+        in_channels: input channels (3 for CIFAR).
+        n_outputs: outputs per head.
+        n_heads: number of heads (6 in FROMP's CIFAR-10/100 protocol).
+        dropout: dropout probability before and after the fc layer (0 turns it off).
+    """
+
+    def __init__(self, in_channels: int = 3, n_outputs: int = 10, n_heads: int = 1, dropout: float = 0.5,
+                 image_size: int = 32) -> None:
+        s = image_size // 4  # two 2x2 max-pools
+        body = nn.Sequential(
+            nn.Conv2d(in_channels, 32, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(32, 32, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Dropout(dropout * 0.5),
+            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(64, 64, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Dropout(dropout * 0.5),
+            nn.Flatten(),
+        )
+        with torch.no_grad():
+            width = body(torch.zeros(1, in_channels, image_size, image_size)).shape[1]
+        fc = nn.Sequential(body, nn.Linear(width, 512), nn.ReLU(), nn.Dropout(dropout))
+        del s
+        super().__init__(fc, 512, n_outputs, n_heads)
+
+
+def build_model(arch: str, input_shape: tuple[int, ...], n_outputs: int, n_heads: int,
+                hidden: tuple[int, ...] = (100, 100), generator: torch.Generator | None = None) -> nn.Module:
+    """Build a network by name (``"mlp"`` or ``"cifarnet"``), initialised from ``generator``.
+
+    Initialisation draws from ``generator`` (PyTorch's default schemes) so that no global RNG state
+    is read or changed.
+    """
+    if arch == "mlp":
+        n_in = 1
+        for d in input_shape:
+            n_in *= d
+        model: nn.Module = MLP(n_in, tuple(hidden), n_outputs, n_heads)
+    elif arch == "cifarnet":
+        model = CifarNet(input_shape[0], n_outputs, n_heads, image_size=input_shape[-1])
+    else:
+        raise ValueError(f"arch: got {arch!r}; allowed: 'mlp', 'cifarnet'")
+    if generator is not None:
+        _reinit(model, generator)
+    return model
+
+
+def _reinit(model: nn.Module, generator: torch.Generator) -> None:
+    """Re-draw every Linear / Conv weight with PyTorch's default (Kaiming-uniform) bounds from ``generator``."""
+    import math
+
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (nn.Linear, nn.Conv2d)):
+                fan_in = m.weight[0].numel()
+                bound = 1.0 / math.sqrt(fan_in)
+                m.weight.uniform_(-bound, bound, generator=generator)
+                if m.bias is not None:
+                    m.bias.uniform_(-bound, bound, generator=generator)
