@@ -132,13 +132,14 @@ def flatten(params: ParamDict) -> Tensor:
 
 def unflatten(vector: Tensor, like: ParamDict) -> ParamDict:
     """Split a vector into a ParamDict shaped like ``like`` (inverse of :func:`flatten`)."""
+    need = sum(t.numel() for t in like.values())
+    if vector.numel() != need:
+        raise ValueError(f"unflatten: vector has {vector.numel()} entries, the ParamDict needs {need}")
     out, start = {}, 0
     for name, t in like.items():
         n = t.numel()
         out[name] = vector[start : start + n].view_as(t)
         start += n
-    if start != vector.numel():
-        raise ValueError(f"vector has {vector.numel()} entries, the ParamDict needs {start}")
     return out
 
 

@@ -1,0 +1,25 @@
+"""Shared fixtures and named tolerances for the test suite."""
+
+import os
+
+import pytest
+import torch
+
+# Named tolerance tiers (see STYLE.md): exact float64 maths, and Monte-Carlo estimates.
+EXACT = dict(rtol=1e-8, atol=1e-10)
+EXACT32 = dict(rtol=1e-4, atol=1e-6)
+MONTE_CARLO = dict(rtol=1e-1, atol=1.5e-2)
+
+
+@pytest.fixture(autouse=True)
+def _isolate_home(tmp_path_factory, monkeypatch):
+    """Keep every test's writes (Avalanche's config, caches) inside a temporary folder."""
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    yield
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(1234)
