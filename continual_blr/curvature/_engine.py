@@ -1,0 +1,330 @@
+"""The backpropagation engine every estimate and kernel is built on (private).
+
+One *pass* over a chunk of B examples takes cotangent vectors ``v`` of shape [B, C, K] (C vectors per
+example, K outputs) and returns, for every selected parameter θ, the per-example vector-Jacobian
+products
+
+    u_{b,c} = J_bᵀ v_{b,c}   with   J_b = ∂f(x_b)/∂θ ∈ R^{K×P}
+
+in a *factored* form where that is exact, so the B×C×P array is only formed when asked for:
+
+* **Linear / Conv2d layers** (the "tapped" layers). A zero tensor ``t`` is added to the layer's
+  output (a forward hook); ``torch.func.vjp`` with respect to ``t`` gives the backpropagated output
+  gradient ``g_{b,c} = ∂(v_{b,c}ᵀ f_b)/∂y_b`` of the layer output y. With the layer input a
+  (unfolded to patches for Conv2d, R = number of output positions; R = 1 for a Linear on [B, d_in]):
+
+      ∂(v_{b,c}ᵀ f_b)/∂W = Σ_r g_{b,c,r} a_{b,r}ᵀ ,      ∂(v_{b,c}ᵀ f_b)/∂bias = Σ_r g_{b,c,r}.
+
+  The weights themselves are *not* differentiated (they are constants of the functional call), so
+  the pass costs one forward and C backward passes through the activations only.
+* **Every other selected parameter** (BatchNorm affine weights, LayerNorm, a Linear that is called
+  twice in one forward, …): differentiated directly; ``vmap`` over the examples makes the result
+  per example ([B, C, *shape]).
+
+Both run in a single ``vmap(vjp)`` over examples (outer) and cotangents (inner) of the single-example
+function ``θ ↦ f(x_b[None])[0]``, through ``torch.func.functional_call``. The model must treat
+examples independently (BatchNorm in eval mode, dropout off): :func:`eval_mode` arranges that.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, vjp, vmap
+
+from ..types import ParamDict, params_of
+
+__all__ = [
+    "eval_mode",
+    "model_kwargs",
+    "iter_batches",
+    "resolve_chunk",
+    "Layer",
+    "find_layers",
+    "Pass",
+    "backprop",
+    "forward",
+    "DEFAULT_CHUNK",
+]
+
+DEFAULT_CHUNK = 256
+"""Examples per vectorised pass when ``chunk_size`` is None."""
+
+
+# ----------------------------------------------------------------------------------------- modes / calls
+
+
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """Put every submodule in eval mode (BatchNorm uses running statistics, dropout is off) and restore
+    each module's own ``training`` flag on exit, also when the body raises."""
+    flags = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()
+        yield model
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+def model_kwargs(model: nn.Module, head: int | None) -> dict:
+    """Keyword arguments for ``model(x, **kw)``: ``{"head": head}`` when the model's ``forward`` accepts
+    ``head`` (the package's call convention), ``{}`` for plain modules (then ``head`` must be 0/None)."""
+    try:
+        sig = inspect.signature(model.forward)
+        accepts = "head" in sig.parameters or any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()
+        )
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        accepts = False
+    if accepts:
+        return {"head": 0 if head is None else int(head)}
+    if head not in (None, 0):
+        raise ValueError(f"head: got {head!r}, but {type(model).__name__}.forward takes no 'head' argument")
+    return {}
+
+
+def iter_batches(x: Tensor | Iterable, y: Tensor | None) -> Iterator[tuple[Tensor, Tensor | None]]:
+    """Yield ``(x, y)`` batches from a tensor pair or from an iterable of ``(x, y, ...)`` items
+    (tuples, lists, :class:`~continual_blr.types.Batch`; extra fields such as a task id are ignored)."""
+    if isinstance(x, Tensor):
+        yield x, y
+        return
+    if y is not None:
+        raise ValueError("y: must be None when x is an iterable of (x, y) batches")
+    for item in x:
+        if isinstance(item, Tensor):
+            yield item, None
+        else:
+            yield item[0], (item[1] if len(item) > 1 else None)
+
+
+def resolve_chunk(chunk_size: int | None, batch_size: int | None = None) -> int:
+    """Validate the chunk size (``batch_size`` is accepted as an alias)."""
+    if chunk_size is not None and batch_size is not None and chunk_size != batch_size:
+        raise ValueError(f"chunk_size={chunk_size} and batch_size={batch_size} disagree; pass one of them")
+    c = chunk_size if chunk_size is not None else batch_size
+    if c is None:
+        return DEFAULT_CHUNK
+    if int(c) < 1:
+        raise ValueError(f"chunk_size: got {c}; must be a positive integer")
+    return int(c)
+
+
+def model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
+    for p in model.parameters():
+        return p.device, p.dtype
+    raise ValueError("model has no parameters")
+
+
+# ----------------------------------------------------------------------------------------------- layers
+
+
+@dataclass
+class Layer:
+    """A Linear or Conv2d module whose selected weight/bias are handled by the tap (factored) path."""
+
+    index: int
+    name: str
+    module: nn.Module
+    weight: str | None  # parameter name when selected
+    bias: str | None
+
+    @property
+    def is_conv(self) -> bool:
+        return isinstance(self.module, nn.Conv2d)
+
+    @property
+    def d_out(self) -> int:
+        m = self.module
+        return m.out_channels if self.is_conv else m.out_features
+
+    @property
+    def d_in(self) -> int:
+        """Columns of Θ without the bias: in_features, or C_in·k_h·k_w."""
+        m = self.module
+        return m.weight[0].numel()
+
+    def patches(self, inp: Tensor) -> Tensor:
+        """The layer input as [B, d_in, R]: unfolded patches for Conv2d, R = trailing positions for Linear."""
+        m = self.module
+        if self.is_conv:
+            return F.unfold(inp, m.kernel_size, dilation=m.dilation, padding=m.padding, stride=m.stride)
+        b = inp.shape[0]
+        return inp.reshape(b, -1, inp.shape[-1]).transpose(1, 2)
+
+    def out_grads(self, g: Tensor) -> Tensor:
+        """Backpropagated output gradients [B, C, 1, *out] → [B, C, d_out, R]."""
+        b, c = g.shape[:2]
+        if self.is_conv:
+            return g.reshape(b, c, self.d_out, -1)
+        return g.reshape(b, c, -1, self.d_out).transpose(2, 3)
+
+
+def _supported(m: nn.Module) -> bool:
+    if isinstance(m, nn.Linear):
+        return True
+    if isinstance(m, nn.Conv2d):
+        return m.groups == 1 and m.padding_mode == "zeros" and not isinstance(m.padding, str)
+    return False
+
+
+def find_layers(model: nn.Module, selected: ParamDict) -> list[Layer]:
+    """Linear / Conv2d (groups = 1, zero padding) modules owning at least one selected parameter."""
+    layers = []
+    for name, m in model.named_modules():
+        if not _supported(m):
+            continue
+        prefix = f"{name}." if name else ""
+        w = prefix + "weight" if prefix + "weight" in selected else None
+        b = prefix + "bias" if m.bias is not None and prefix + "bias" in selected else None
+        if w is None and b is None:
+            continue
+        if w is not None and selected[w] is not m.weight and selected[w].data_ptr() != m.weight.data_ptr():
+            continue  # pragma: no cover - parameter dict not taken from this model
+        layers.append(Layer(len(layers), name, m, w, b))
+    return layers
+
+
+class _Taps:
+    """Forward hooks on the tapped layers: 'record' mode stores inputs and counts calls,
+    'tap' mode adds the current tap tensor to the layer output."""
+
+    def __init__(self, layers: list[Layer]) -> None:
+        self.layers = layers
+        self.mode: str | None = None
+        self.inputs: dict[int, Tensor] = {}
+        self.out_shapes: dict[int, torch.Size] = {}
+        self.calls: dict[int, int] = {}
+        self.taps: dict[int, Tensor] | None = None
+        self._handles: list = []
+
+    def __enter__(self) -> "_Taps":
+        for layer in self.layers:
+            self._handles.append(layer.module.register_forward_hook(self._hook(layer.index)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _hook(self, idx: int) -> Callable:
+        def hook(module: nn.Module, inp: tuple, out: Tensor) -> Tensor | None:
+            if self.mode == "record":
+                self.calls[idx] = self.calls.get(idx, 0) + 1
+                self.inputs[idx] = inp[0]
+                self.out_shapes[idx] = out.shape
+            elif self.mode == "tap" and self.taps is not None and idx in self.taps:
+                return out + self.taps[idx]
+            return None
+
+        return hook
+
+
+# ------------------------------------------------------------------------------------------------ passes
+
+
+@dataclass
+class Pass:
+    """Result of :func:`backprop` on one chunk (see the module docstring for the maths).
+
+    Attributes:
+        logits: [B, K] model outputs (before any ``output_fn``).
+        layers: the tapped layers of this call.
+        a: per tapped layer used once in the forward: its input patches [B, d_in, R] (no bias column).
+        g: per such layer: backpropagated output gradients [B, C, d_out, R].
+        unused: indices of tapped layers the forward did not reach (zero Jacobian, e.g. other heads).
+        other: per-example VJPs [B, C, *shape] of every selected parameter not handled by a tap.
+    """
+
+    logits: Tensor
+    layers: list[Layer]
+    a: dict[int, Tensor] = field(default_factory=dict)
+    g: dict[int, Tensor] = field(default_factory=dict)
+    unused: set[int] = field(default_factory=set)
+    other: ParamDict = field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        return self.logits.shape[0]
+
+    def layer_jacobian(self, idx: int) -> tuple[Tensor, Tensor | None]:
+        """Per-example VJPs of one tapped layer: weight [B, C, d_out, d_in] and bias [B, C, d_out] (or None).
+        This materialises B·C·(d_out·d_in) numbers."""
+        layer = self.layers[idx]
+        g, a = self.g[idx], self.a[idx]
+        b, c, o, r = g.shape
+        jw = torch.bmm(g.reshape(b, c * o, r), a.transpose(1, 2)).reshape(b, c, o, -1)
+        jb = g.sum(-1) if layer.bias is not None else None
+        return jw, jb
+
+
+def forward(model: nn.Module, x: Tensor, kw: dict) -> Tensor:
+    out = model(x, **kw)
+    if out.dim() != 2:
+        raise ValueError(f"model output: expected [batch, outputs], got shape {tuple(out.shape)}")
+    return out
+
+
+def backprop(
+    model: nn.Module,
+    selected: ParamDict,
+    layers: list[Layer],
+    x: Tensor,
+    cotangents: Callable[[Tensor], Tensor],
+    kw: dict,
+) -> Pass:
+    """One pass over the chunk ``x``: forward, cotangents v = ``cotangents(logits)`` ([B, C, K]), and
+    the per-example VJPs J_bᵀ v_{b,c} in factored form (see :class:`Pass`). The model must already be in
+    eval mode; ``selected`` are the detached parameters to differentiate."""
+    with _Taps(layers) as taps:
+        # 1) record pass: layer inputs, output shapes and call counts; logits for the cotangents.
+        taps.mode = "record"
+        with torch.no_grad():
+            logits = forward(model, x, kw)
+        taps.mode = None
+        v = cotangents(logits)
+        if v.dim() != 3 or v.shape[0] != x.shape[0] or v.shape[2] != logits.shape[1]:
+            raise ValueError(f"cotangents: expected [B, C, {logits.shape[1]}], got {tuple(v.shape)}")
+        unused = {l.index for l in layers if taps.calls.get(l.index, 0) == 0}
+        shared = {l.index for l in layers if taps.calls.get(l.index, 0) > 1}
+        tapped = [l for l in layers if l.index not in unused | shared]
+        # parameters that need direct (per-example) differentiation
+        handled = set()
+        for l in layers:
+            if l.index not in shared:
+                handled.update(n for n in (l.weight, l.bias) if n is not None)
+        other = {n: t for n, t in selected.items() if n not in handled}
+        frozen = {n: t for n, t in params_of(model).items() if n not in other}
+        b = x.shape[0]
+        tap0 = {l.index: x.new_zeros((b, 1) + tuple(taps.out_shapes[l.index][1:])) for l in tapped}
+
+        # 2) vmap over examples of vjp, vmap over cotangents of the pullback.
+        def single(x_i: Tensor, tap_i: dict[int, Tensor], v_i: Tensor) -> tuple[ParamDict, dict[int, Tensor]]:
+            def f(oth: ParamDict, tp: dict[int, Tensor]) -> Tensor:
+                taps.mode, taps.taps = "tap", tp
+                try:
+                    return functional_call(model, {**frozen, **oth}, (x_i.unsqueeze(0),), kw)[0]
+                finally:
+                    taps.mode, taps.taps = None, None
+
+            _, pullback = vjp(f, other, tap_i)
+            return vmap(pullback)(v_i)
+
+        if other or tapped:
+            u_other, u_taps = vmap(single)(x, tap0, v.to(logits.dtype))
+        else:
+            u_other, u_taps = {}, {}
+        out = Pass(logits=logits, layers=layers, unused=unused, other=dict(u_other))
+        for l in tapped:
+            out.a[l.index] = l.patches(taps.inputs[l.index].detach())
+            out.g[l.index] = l.out_grads(u_taps[l.index])
+        taps.inputs.clear()
+    return out
