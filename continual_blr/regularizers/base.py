@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from ..data.stream import Task
-from ..types import Batch
+from ..types import Batch, ParamDict
 
 __all__ = ["Regularizer", "SumRegularizer"]
 
@@ -25,8 +25,13 @@ __all__ = ["Regularizer", "SumRegularizer"]
 class Regularizer(Protocol):
     """How the past enters the loss. ``penalty`` must be differentiable in the model's parameters."""
 
-    def penalty(self, model: nn.Module, batch: Batch, task: Task) -> Tensor:
-        """The term added to the mean minibatch loss for the current step."""
+    def penalty(self, model: nn.Module, batch: Batch, task: Task, params: ParamDict | None = None) -> Tensor:
+        """The term added to the mean minibatch loss for the current step.
+
+        With ``params`` the penalty is evaluated at those parameter values (a functional call, so that
+        ``torch.func`` transforms such as the BLR's per-example gradients can differentiate it);
+        without, at the model's own parameters.
+        """
         ...
 
     def on_task_start(self, model: nn.Module, task: Task) -> None:
@@ -50,10 +55,10 @@ class SumRegularizer:
     def __init__(self, *parts: Regularizer) -> None:
         self.parts = list(parts)
 
-    def penalty(self, model: nn.Module, batch: Batch, task: Task) -> Tensor:
+    def penalty(self, model: nn.Module, batch: Batch, task: Task, params: ParamDict | None = None) -> Tensor:
         total = torch.zeros((), device=batch.x.device, dtype=batch.x.dtype)
         for r in self.parts:
-            total = total + r.penalty(model, batch, task)
+            total = total + r.penalty(model, batch, task, params)
         return total
 
     def on_task_start(self, model: nn.Module, task: Task) -> None:

@@ -1,0 +1,137 @@
+"""Typed run configuration and its validation from plain dictionaries (parsed YAML).
+
+Every error names the offending field by its dotted path and what is allowed, in one line, e.g.
+``config: unknown key 'train.epoch' (allowed: epochs, batch_size, ...)`` or
+``config: train.epochs must be int, got 'ten'``. Reading files is the CLI's job; this module only
+turns dictionaries into dataclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from .methods.base import TrainConfig
+
+__all__ = ["ConfigError", "StreamConfig", "ModelConfig", "MethodConfig", "RunConfig", "from_dict", "DEFAULT_CONFIG"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or of the wrong type."""
+
+
+@dataclass
+class StreamConfig:
+    """Which task stream: ``name`` from ``continual_blr.data.STREAMS`` plus its options."""
+
+    name: str = "split_digits"
+    scenario: str | None = None
+    data_dir: str | None = None
+    options: dict = field(default_factory=dict)
+
+
+@dataclass
+class ModelConfig:
+    """The network: ``arch`` is ``"mlp"`` (with ``hidden`` widths) or ``"cifarnet"``."""
+
+    arch: str = "mlp"
+    hidden: list = field(default_factory=lambda: [100, 100])
+
+
+@dataclass
+class MethodConfig:
+    """A method by registry name, its own parameters, and overrides of the train settings."""
+
+    name: str = "none"
+    params: dict = field(default_factory=dict)
+    train: dict = field(default_factory=dict)
+
+
+@dataclass
+class RunConfig:
+    """A whole run: one stream, one model architecture, one or more methods compared on it."""
+
+    stream: StreamConfig = field(default_factory=StreamConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    methods: list = field(default_factory=lambda: [MethodConfig("blr"), MethodConfig("none")])
+    seed: int = 0
+    device: str = "cpu"
+    out: str = "runs/default"
+    progress: bool = True
+    quick: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _type_ok(value: Any, annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is not None:
+        return isinstance(value, origin)
+    if isinstance(annotation, type):
+        return isinstance(value, annotation)
+    return True
+
+
+def from_dict(cls: type, data: Any, path: str = "config") -> Any:
+    """Build dataclass ``cls`` from ``data``, checking keys and types recursively.
+
+    Raises:
+        ConfigError: with the dotted path of the bad field and what is allowed.
+    """
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        raise ConfigError(f"{path}: unknown key {unknown[0]!r} (allowed: {', '.join(fields)})")
+    kwargs = {}
+    for key, value in data.items():
+        ann = hints[key]
+        sub = f"{path}.{key}" if path != "config" else key
+        if dataclasses.is_dataclass(ann):
+            kwargs[key] = from_dict(ann, value, sub)
+        elif key == "methods" and cls is RunConfig:
+            kwargs[key] = _methods(value, sub)
+        else:
+            if not _type_ok(value, ann):
+                want = getattr(ann, "__name__", str(ann)).replace("typing.", "")
+                raise ConfigError(f"config: {sub} must be {want}, got {value!r}")
+            if ann is float and isinstance(value, int):
+                value = float(value)
+            kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"config: {err}") from None
+
+
+def _methods(value: Any, path: str) -> list[MethodConfig]:
+    """``methods`` may be a name, a list of names, or a list of mappings."""
+    items = [value] if isinstance(value, (str, dict)) else value
+    if not isinstance(items, list) or not items:
+        raise ConfigError(f"config: {path} must be a method name or a non-empty list of methods")
+    out = []
+    for i, item in enumerate(items):
+        out.append(MethodConfig(item) if isinstance(item, str) else from_dict(MethodConfig, item, f"{path}[{i}]"))
+    return out
+
+
+DEFAULT_CONFIG = RunConfig()

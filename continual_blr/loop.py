@@ -1,0 +1,221 @@
+"""THE training loop: ``run_stream`` trains a method task after task and fills the accuracy matrix.
+
+Every method and benchmark goes through :func:`fit_task` and :func:`run_stream`; methods only
+answer the loop's questions (see ``continual_blr.methods.base.Method``).
+
+Metrics (Lopez-Paz & Ranzato 2017; Chaudhry et al. 2018), with R[i, j] the test accuracy on task j
+after training task i and T tasks:
+
+    average accuracy   A = (1/T) Σ_j R[T−1, j]
+    backward transfer  BWT = (1/(T−1)) Σ_{j<T−1} (R[T−1, j] − R[j, j])
+    forgetting         F = (1/(T−1)) Σ_{j<T−1} (max_{i<T−1} R[i, j] − R[T−1, j])
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from tqdm.auto import tqdm
+
+from .data.stream import Task, TaskStream
+from .methods.base import Method, TrainConfig
+from .optim.blr import BayesianLearningRule
+from .types import Batch
+
+__all__ = ["StreamResult", "run_stream", "fit_task", "evaluate_task", "stream_metrics"]
+
+
+@dataclass
+class StreamResult:
+    """What a run over a stream produced; saved as JSON and reloadable with :meth:`load`."""
+
+    method: str
+    stream: str
+    scenario: str
+    seed: int
+    acc_matrix: list[list[float]]  # R[i][j]; NaN where task j was not seen yet
+    avg_acc: float
+    avg_acc_per_step: list[float]
+    forgetting: float
+    bwt: float
+    task_times: list[float]
+    train_loss: list[float]
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["acc_matrix"] = [[None if math.isnan(v) else v for v in row] for row in self.acc_matrix]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "StreamResult":
+        d = dict(d)
+        d["acc_matrix"] = [[math.nan if v is None else v for v in row] for row in d["acc_matrix"]]
+        return cls(**d)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "StreamResult":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def stream_metrics(acc: list[list[float]]) -> dict[str, Any]:
+    """Average accuracy (final and after each task), forgetting and BWT from R (see module docstring)."""
+    t = len(acc)
+    per_step = [sum(acc[i][: i + 1]) / (i + 1) for i in range(t)]
+    if t < 2:
+        return dict(avg_acc=per_step[-1], avg_acc_per_step=per_step, forgetting=0.0, bwt=0.0)
+    last = acc[-1]
+    bwt = sum(last[j] - acc[j][j] for j in range(t - 1)) / (t - 1)
+    forgetting = sum(max(acc[i][j] for i in range(j, t - 1)) - last[j] for j in range(t - 1)) / (t - 1)
+    return dict(avg_acc=per_step[-1], avg_acc_per_step=per_step, forgetting=forgetting, bwt=bwt)
+
+
+@torch.no_grad()
+def evaluate_task(model: nn.Module, method: Method, task: Task, batch_size: int = 1024) -> float:
+    """Test accuracy of ``method``'s predictions on ``task`` (its own head)."""
+    was_training = model.training
+    model.eval()
+    try:
+        correct = 0
+        for start in range(0, task.x_test.shape[0], batch_size):
+            x = task.x_test[start : start + batch_size]
+            y = task.y_test[start : start + batch_size]
+            probs = method.predict_proba(model, x, task.head)
+            correct += int((probs.argmax(-1) == y).sum())
+        return correct / max(1, task.x_test.shape[0])
+    finally:
+        model.train(was_training)
+
+
+def _batches(tasks: list[Task], batch_size: int, generator: torch.Generator):
+    """Shuffled minibatches of each task, interleaved in a random order; each batch holds one task."""
+    order = []
+    for i, t in enumerate(tasks):
+        perm = torch.randperm(t.n_train, generator=generator)
+        order += [(i, perm[s : s + batch_size]) for s in range(0, t.n_train, batch_size)]
+    for k in torch.randperm(len(order), generator=generator).tolist() if len(tasks) > 1 else range(len(order)):
+        i, idx = order[k]
+        t = tasks[i]
+        idx = idx.to(t.x_train.device)
+        yield t, Batch(t.x_train[idx], t.y_train[idx], t.head)
+
+
+def _blr_closure(model: nn.Module, method: Method, batch: Batch, task: Task):
+    """closure(params) -> (per-example losses, penalty) for a BLR optimiser (see optim.blr)."""
+
+    def closure(params):
+        logits = torch.func.functional_call(model, params, (batch.x,), {"head": batch.head})
+        losses = F.cross_entropy(logits, batch.y, reduction="none")
+        if method.regularizer is None:
+            return losses
+        return losses, method.regularizer.penalty(model, batch, task, params)
+
+    return closure
+
+
+def fit_task(
+    model: nn.Module,
+    task: Task,
+    method: Method,
+    train: TrainConfig,
+    *,
+    seen: list[Task],
+    generator: torch.Generator,
+    progress: bool = True,
+) -> float:
+    """Train ``model`` on ``task`` with ``method``; returns the mean training loss of the last epoch."""
+    method.on_task_start(model, task)
+    optimizer = method.make_optimizer(model, task, train)
+    tasks = method.train_tasks(task, seen)
+    blr = isinstance(optimizer, BayesianLearningRule)
+    last = math.nan
+    bar = tqdm(range(train.epochs), desc=f"task {task.task_id}", leave=False, disable=not progress)
+    for _ in bar:
+        total, n = 0.0, 0
+        for t, batch in _batches(tasks, train.batch_size, generator):
+            if blr:
+                # Per-example gradients under torch.func: deterministic layers (dropout off).
+                model.eval()
+                loss = optimizer.step(_blr_closure(model, method, batch, t))
+                model.train()
+            else:
+                optimizer.zero_grad(set_to_none=True)
+                loss = method.loss(model, batch, t)
+                loss.backward()
+                if train.grad_clip is not None:
+                    nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+                optimizer.step()
+            total += float(loss.detach()) * batch.y.shape[0]
+            n += batch.y.shape[0]
+        last = total / max(n, 1)
+        bar.set_postfix(loss=f"{last:.4f}")
+    method.on_task_end(model, task, optimizer)
+    return last
+
+
+def run_stream(
+    model: nn.Module,
+    stream: TaskStream,
+    method: Method,
+    train: TrainConfig,
+    *,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+    config: dict[str, Any] | None = None,
+) -> StreamResult:
+    """Train ``method`` over ``stream`` task by task and evaluate on every task seen so far.
+
+    Args:
+        model: the network (moved to ``device``); called as ``model(x, head=h)``.
+        stream: the tasks.
+        method: the continual-learning method (its state carries the past between tasks).
+        train: per-task training settings.
+        seed: seeds the minibatch order (a ``torch.Generator``; no global RNG is touched).
+        device: where to train.
+        progress: tqdm bars over tasks and epochs.
+        config: the configuration to record in the result.
+
+    Returns:
+        A :class:`StreamResult` with the accuracy matrix and its summary metrics.
+    """
+    device = torch.device(device)
+    model.to(device)
+    model.train()
+    tasks = [t.to(device) for t in stream.tasks]
+    generator = torch.Generator().manual_seed(seed)
+    method.setup(model, stream, train)
+    n = len(tasks)
+    acc = [[math.nan] * n for _ in range(n)]
+    times, losses = [], []
+    bar = tqdm(tasks, desc=f"{method.name} on {stream.name}", disable=not progress)
+    for i, task in enumerate(bar):
+        t0 = time.perf_counter()
+        losses.append(fit_task(model, task, method, train, seen=tasks[: i + 1], generator=generator, progress=progress))
+        times.append(time.perf_counter() - t0)
+        for j in range(i + 1):
+            acc[i][j] = evaluate_task(model, method, tasks[j], train.eval_batch_size)
+        bar.set_postfix(avg_acc=f"{sum(acc[i][: i + 1]) / (i + 1):.4f}")
+    metrics = stream_metrics(acc)
+    return StreamResult(
+        method=method.name,
+        stream=stream.name,
+        scenario=stream.scenario,
+        seed=seed,
+        acc_matrix=acc,
+        task_times=times,
+        train_loss=losses,
+        config=config or {},
+        **metrics,
+    )

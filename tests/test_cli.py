@@ -1,0 +1,87 @@
+"""The command line: the default run and one-line errors."""
+
+import json
+import struct
+import zlib
+
+import pytest
+
+from continual_blr.cli import main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _valid_png(path):
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    # the first chunk is IHDR with a correct CRC
+    length = struct.unpack(">I", data[8:12])[0]
+    chunk = data[12 : 16 + length]
+    assert chunk[:4] == b"IHDR"
+    assert struct.unpack(">I", data[16 + length : 20 + length])[0] == zlib.crc32(chunk)
+
+
+def test_default_run_writes_results_and_heatmap(tmp_path, capsys):
+    # The embedded default (split-digits, blr + none), shortened to 1 epoch for the test suite.
+    rc = main(["run", "--out", str(tmp_path), "--epochs", "1", "--no-progress"])
+    assert rc == 0
+    payload = json.loads((tmp_path / "results.json").read_text())
+    assert [r["method"] for r in payload["results"]] == ["blr", "none"]
+    assert all(len(r["acc_matrix"]) == 5 for r in payload["results"])
+    _valid_png(tmp_path / "accuracy_matrix.png")
+    out = capsys.readouterr().out
+    assert "split_digits" in out and "avg" in out
+
+
+def _one_line_error(capsys, argv, *needles):
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc != 0
+    assert len(err.splitlines()) == 1, err
+    assert "Traceback" not in err
+    for n in needles:
+        assert n in err, err
+
+
+def test_unknown_method(capsys):
+    _one_line_error(capsys, ["run", "--method", "nope"], "nope", "blr", "none")
+
+
+def test_unknown_config_key(tmp_path, capsys):
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  epoch: 3\n")
+    _one_line_error(capsys, ["run", str(p)], "epoch", "epochs")
+
+
+def test_wrong_type(tmp_path, capsys):
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  epochs: ten\n")
+    _one_line_error(capsys, ["run", str(p)], "train.epochs", "int")
+
+
+def test_missing_config_file(tmp_path, capsys):
+    _one_line_error(capsys, ["run", str(tmp_path / "absent.yaml")], "absent.yaml")
+
+
+def test_missing_data_folder(tmp_path, capsys):
+    _one_line_error(capsys, ["run", "--data-dir", str(tmp_path / "nodata")], "nodata")
+
+
+def test_missing_dataset_files(tmp_path, capsys):
+    p = tmp_path / "c.yaml"
+    p.write_text(f"stream:\n  name: split_mnist\n  data_dir: {tmp_path}\n  options: {{download: false}}\n")
+    _one_line_error(capsys, ["run", str(p)], str(tmp_path))
+
+
+def test_invalid_yaml(tmp_path, capsys):
+    p = tmp_path / "c.yaml"
+    p.write_text("train: [unclosed\n")
+    _one_line_error(capsys, ["run", str(p)], "YAML")
+
+
+def test_cuda_unavailable_is_one_line(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    _one_line_error(capsys, ["run", "--device", "cuda", "--epochs", "1"], "cuda")
