@@ -128,73 +128,95 @@ def model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
 
 @dataclass
 class Layer:
-    """A Linear or Conv2d module whose selected weight/bias are handled by the tap (factored) path."""
+    """A module whose selected parameters are handled by the tap (factored) path.
+
+    kind ``linear`` / ``conv``: Θ = [W.reshape(d_out, -1) | b]; ``bn``: a BatchNorm in eval mode with
+    affine parameters, y = γ ⊙ x̂ + β, x̂ = (x − running_mean)/√(running_var + eps).
+    """
 
     index: int
     name: str
     module: nn.Module
+    kind: str
     weight: str | None  # parameter name when selected
     bias: str | None
 
     @property
     def is_conv(self) -> bool:
-        return isinstance(self.module, nn.Conv2d)
+        return self.kind == "conv"
 
     @property
     def d_out(self) -> int:
         m = self.module
-        return m.out_channels if self.is_conv else m.out_features
+        if self.kind == "conv":
+            return m.out_channels
+        if self.kind == "bn":
+            return m.num_features
+        return m.out_features
 
     @property
     def d_in(self) -> int:
-        """Columns of Θ without the bias: in_features, or C_in·k_h·k_w."""
-        m = self.module
-        return m.weight[0].numel()
+        """Columns of Θ without the bias: in_features, or C_in·k_h·k_w (1 for BatchNorm)."""
+        return self.module.weight[0].numel()
 
     def patches(self, inp: Tensor) -> Tensor:
-        """The layer input as [B, d_in, R]: unfolded patches for Conv2d, R = trailing positions for Linear."""
+        """The layer input as [B, d_in, R]: unfolded patches for Conv2d, R = trailing positions for Linear,
+        the normalised input x̂ as [B, channels, R] for BatchNorm."""
         m = self.module
-        if self.is_conv:
-            return F.unfold(inp, m.kernel_size, dilation=m.dilation, padding=m.padding, stride=m.stride)
         b = inp.shape[0]
+        if self.kind == "conv":
+            return F.unfold(inp, m.kernel_size, dilation=m.dilation, padding=m.padding, stride=m.stride)
+        if self.kind == "bn":
+            shape = (1, -1) + (1,) * (inp.dim() - 2)
+            xhat = (inp - m.running_mean.view(shape)) * torch.rsqrt(m.running_var.view(shape) + m.eps)
+            return xhat.reshape(b, m.num_features, -1)
         return inp.reshape(b, -1, inp.shape[-1]).transpose(1, 2)
 
     def out_grads(self, g: Tensor) -> Tensor:
-        """Backpropagated output gradients [B, C, 1, *out] → [B, C, d_out, R]."""
+        """Backpropagated output gradients [B, C, *out] → [B, C, d_out, R]."""
         b, c = g.shape[:2]
-        if self.is_conv:
+        if self.kind in ("conv", "bn"):
             return g.reshape(b, c, self.d_out, -1)
         return g.reshape(b, c, -1, self.d_out).transpose(2, 3)
 
 
-def _supported(m: nn.Module) -> bool:
+def _kind(m: nn.Module) -> str | None:
     if isinstance(m, nn.Linear):
-        return True
+        return "linear"
     if isinstance(m, nn.Conv2d):
-        return m.groups == 1 and m.padding_mode == "zeros" and not isinstance(m.padding, str)
-    return False
+        ok = m.groups == 1 and m.padding_mode == "zeros" and not isinstance(m.padding, str)
+        return "conv" if ok else None
+    if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.affine and m.running_mean is not None:
+        return "bn"
+    return None
 
 
 def find_layers(model: nn.Module, selected: ParamDict) -> list[Layer]:
-    """Linear / Conv2d (groups = 1, zero padding) modules owning at least one selected parameter."""
+    """Linear, Conv2d (groups = 1, zero padding) and affine BatchNorm modules owning a selected parameter.
+
+    Raises ValueError for a BatchNorm without running statistics: it normalises with batch statistics
+    even in eval mode, so examples are not independent and per-example quantities are undefined.
+    """
     layers = []
     for name, m in model.named_modules():
-        if not _supported(m):
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is None:
+            raise ValueError(f"module {name!r}: BatchNorm with track_running_stats=False uses batch statistics in "
+                             "eval mode, so examples are not independent; use running statistics")
+        kind = _kind(m)
+        if kind is None:
             continue
         prefix = f"{name}." if name else ""
         w = prefix + "weight" if prefix + "weight" in selected else None
         b = prefix + "bias" if m.bias is not None and prefix + "bias" in selected else None
         if w is None and b is None:
             continue
-        if w is not None and selected[w] is not m.weight and selected[w].data_ptr() != m.weight.data_ptr():
-            continue  # pragma: no cover - parameter dict not taken from this model
-        layers.append(Layer(len(layers), name, m, w, b))
+        layers.append(Layer(len(layers), name, m, kind, w, b))
     return layers
 
 
 class _Taps:
     """Forward hooks on the tapped layers: 'record' mode stores inputs and counts calls,
-    'tap' mode adds the current tap tensor to the layer output."""
+    'tap' mode adds the current tap tensor to the layer output. Removed on exit (also on errors)."""
 
     def __init__(self, layers: list[Layer]) -> None:
         self.layers = layers
@@ -206,8 +228,12 @@ class _Taps:
         self._handles: list = []
 
     def __enter__(self) -> "_Taps":
-        for layer in self.layers:
-            self._handles.append(layer.module.register_forward_hook(self._hook(layer.index)))
+        try:
+            for layer in self.layers:
+                self._handles.append(layer.module.register_forward_hook(self._hook(layer.index)))
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -238,7 +264,8 @@ class Pass:
     Attributes:
         logits: [B, K] model outputs (before any ``output_fn``).
         layers: the tapped layers of this call.
-        a: per tapped layer used once in the forward: its input patches [B, d_in, R] (no bias column).
+        a: per tapped layer reached once by the forward: its input patches [B, d_in, R] (no bias
+            column; x̂ for BatchNorm).
         g: per such layer: backpropagated output gradients [B, C, d_out, R].
         unused: indices of tapped layers the forward did not reach (zero Jacobian, e.g. other heads).
         other: per-example VJPs [B, C, *shape] of every selected parameter not handled by a tap.
@@ -256,12 +283,15 @@ class Pass:
         return self.logits.shape[0]
 
     def layer_jacobian(self, idx: int) -> tuple[Tensor, Tensor | None]:
-        """Per-example VJPs of one tapped layer: weight [B, C, d_out, d_in] and bias [B, C, d_out] (or None).
-        This materialises B·C·(d_out·d_in) numbers."""
+        """Per-example VJPs of one tapped layer: weight [B, C, d_out, d_in] ([B, C, d_out] for BatchNorm)
+        and bias [B, C, d_out] (or None). Materialises B·C·(number of the layer's weights) numbers."""
         layer = self.layers[idx]
         g, a = self.g[idx], self.a[idx]
         b, c, o, r = g.shape
-        jw = torch.bmm(g.reshape(b, c * o, r), a.transpose(1, 2)).reshape(b, c, o, -1)
+        if layer.kind == "bn":
+            jw = (g * a.unsqueeze(1)).sum(-1)
+        else:
+            jw = torch.bmm(g.reshape(b, c * o, r), a.transpose(1, 2)).reshape(b, c, o, -1)
         jb = g.sum(-1) if layer.bias is not None else None
         return jw, jb
 
@@ -283,48 +313,62 @@ def backprop(
 ) -> Pass:
     """One pass over the chunk ``x``: forward, cotangents v = ``cotangents(logits)`` ([B, C, K]), and
     the per-example VJPs J_bᵀ v_{b,c} in factored form (see :class:`Pass`). The model must already be in
-    eval mode; ``selected`` are the detached parameters to differentiate."""
+    eval mode (examples independent); ``selected`` are the detached parameters to differentiate.
+
+    Tapped layers: one ``vjp`` of the batched forward with respect to the taps (examples do not
+    interact, so the gradient of Σ_b v_{b,c}ᵀ f_b at layer outputs of example b is example b's own),
+    pulled back once per cotangent index c. Other parameters: ``vmap`` over examples of the vjp of
+    the single-example function, ``vmap`` over c of its pullback.
+    """
     with _Taps(layers) as taps:
         # 1) record pass: layer inputs, output shapes and call counts; logits for the cotangents.
         taps.mode = "record"
-        with torch.no_grad():
-            logits = forward(model, x, kw)
-        taps.mode = None
+        try:
+            with torch.no_grad():
+                logits = forward(model, x, kw)
+        finally:
+            taps.mode = None
         v = cotangents(logits)
         if v.dim() != 3 or v.shape[0] != x.shape[0] or v.shape[2] != logits.shape[1]:
             raise ValueError(f"cotangents: expected [B, C, {logits.shape[1]}], got {tuple(v.shape)}")
+        v = v.to(logits.dtype)
         unused = {l.index for l in layers if taps.calls.get(l.index, 0) == 0}
         shared = {l.index for l in layers if taps.calls.get(l.index, 0) > 1}
         tapped = [l for l in layers if l.index not in unused | shared]
-        # parameters that need direct (per-example) differentiation
-        handled = set()
-        for l in layers:
-            if l.index not in shared:
-                handled.update(n for n in (l.weight, l.bias) if n is not None)
+        handled = {n for l in layers if l.index not in shared for n in (l.weight, l.bias) if n is not None}
         other = {n: t for n, t in selected.items() if n not in handled}
         frozen = {n: t for n, t in params_of(model).items() if n not in other}
-        b = x.shape[0]
-        tap0 = {l.index: x.new_zeros((b, 1) + tuple(taps.out_shapes[l.index][1:])) for l in tapped}
+        params = {**frozen, **other}
+        out = Pass(logits=logits, layers=layers, unused=unused)
 
-        # 2) vmap over examples of vjp, vmap over cotangents of the pullback.
-        def single(x_i: Tensor, tap_i: dict[int, Tensor], v_i: Tensor) -> tuple[ParamDict, dict[int, Tensor]]:
-            def f(oth: ParamDict, tp: dict[int, Tensor]) -> Tensor:
+        # 2) tapped layers: batched vjp with respect to zero taps added to the layer outputs.
+        if tapped:
+            tap0 = {l.index: x.new_zeros(taps.out_shapes[l.index]) for l in tapped}
+
+            def batched(tp: dict[int, Tensor]) -> Tensor:
                 taps.mode, taps.taps = "tap", tp
                 try:
-                    return functional_call(model, {**frozen, **oth}, (x_i.unsqueeze(0),), kw)[0]
+                    return functional_call(model, params, (x,), kw)
                 finally:
                     taps.mode, taps.taps = None, None
 
-            _, pullback = vjp(f, other, tap_i)
-            return vmap(pullback)(v_i)
-
-        if other or tapped:
-            u_other, u_taps = vmap(single)(x, tap0, v.to(logits.dtype))
-        else:
-            u_other, u_taps = {}, {}
-        out = Pass(logits=logits, layers=layers, unused=unused, other=dict(u_other))
-        for l in tapped:
-            out.a[l.index] = l.patches(taps.inputs[l.index].detach())
-            out.g[l.index] = l.out_grads(u_taps[l.index])
+            _, pullback = vjp(batched, tap0)
+            grads = [pullback(v[:, c])[0] for c in range(v.shape[1])]
+            for l in tapped:
+                g = torch.stack([gr[l.index] for gr in grads], dim=1)  # [B, C, *out]
+                out.a[l.index] = l.patches(taps.inputs[l.index].detach())
+                out.g[l.index] = l.out_grads(g)
+            del grads, pullback
         taps.inputs.clear()
+
+        # 3) other parameters: per-example vjp (vmap over examples and cotangents).
+        if other:
+            def single(x_i: Tensor, v_i: Tensor) -> ParamDict:
+                def f(oth: ParamDict) -> Tensor:
+                    return functional_call(model, {**frozen, **oth}, (x_i.unsqueeze(0),), kw)[0]
+
+                _, pb = vjp(f, other)
+                return vmap(pb)(v_i)[0]
+
+            out.other = dict(vmap(single)(x, v))
     return out

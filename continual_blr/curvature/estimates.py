@@ -152,7 +152,7 @@ def diag_curvature(run: Iterable[tuple[Pass, Tensor | None]], sel: ParamDict) ->
                 continue
             g, a = p.g[i], p.a[i]
             if layer.weight is not None:
-                if g.shape[-1] == 1:  # Linear on [B, d_in]: Σ_{b,c} g² a²ᵀ without per-example gradients
+                if layer.kind == "linear" and g.shape[-1] == 1:  # Linear on [B, d_in]: Σ_{b,c} g² a²ᵀ without per-example gradients
                     g2 = g[..., 0].square().sum(1)  # [B, d_out]
                     dw = g2.T @ a[..., 0].square()  # [d_out, d_in]
                 else:
@@ -189,7 +189,8 @@ def kron_curvature(run: Iterable[tuple[Pass, Tensor | None]], sel: ParamDict) ->
     for p, _ in run:
         if layers is None:
             layers = p.layers
-            block_params = {n for l in layers if l.weight is not None for n in (l.weight, l.bias) if n}
+            block_params = {n for l in layers if l.weight is not None and l.kind != "bn"
+                            for n in (l.weight, l.bias) if n}
             diag_names = [n for n in sel if n not in block_params]
             acc_diag = {n: torch.zeros_like(sel[n]) for n in diag_names}
         for name, u in p.other.items():
@@ -200,9 +201,13 @@ def kron_curvature(run: Iterable[tuple[Pass, Tensor | None]], sel: ParamDict) ->
             acc_diag[name] += u.square().sum((0, 1))
         for layer in layers:
             i = layer.index
-            if layer.weight is None:
+            if layer.weight is None or layer.kind == "bn":  # exact diagonal
                 if i in p.g:
-                    acc_diag[layer.bias] += p.g[i].sum(-1).square().sum((0, 1))
+                    jw, jb = p.layer_jacobian(i)
+                    if layer.weight is not None:
+                        acc_diag[layer.weight] += jw.square().sum((0, 1))
+                    if layer.bias is not None:
+                        acc_diag[layer.bias] += jb.square().sum((0, 1))
                 continue
             d_in = layer.d_in + (1 if layer.bias is not None else 0)
             if i not in a_sum:
@@ -225,7 +230,7 @@ def kron_curvature(run: Iterable[tuple[Pass, Tensor | None]], sel: ParamDict) ->
         raise ValueError("x: no data")
     blocks = []
     for layer in layers:
-        if layer.weight is None:
+        if layer.weight is None or layer.kind == "bn":
             continue
         i = layer.index
         a = a_sum[i] / count[i] if count[i] > 0 else a_sum[i]

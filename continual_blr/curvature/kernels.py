@@ -42,12 +42,12 @@ from torch import Tensor, nn
 from torch.func import functional_call, jvp, vjp, vmap
 
 from ..types import KronCurvature, ParamDict, flatten, params_of, unflatten
-from ._engine import eval_mode, find_layers, model_device_dtype, model_kwargs
+from ._engine import DEFAULT_CHUNK, eval_mode, find_layers, model_device_dtype, model_kwargs
 from .jacobians import output_jacobian_cotangents, passes
 
 __all__ = ["kernel", "kernel_vector_product", "BUDGET"]
 
-BUDGET = 2**25
+BUDGET = 2**26
 """Numbers (elements) an intermediate of the structured kernel may hold; larger work is chunked."""
 
 
@@ -151,7 +151,7 @@ def _collect(model: nn.Module, x: Tensor, spec: _Sigma, rows_fn: Callable, group
             if i not in p.g:
                 continue  # unused layer (another head): zero rows, nothing to add
             g, a = p.g[i], p.a[i]
-            if factor_linear and layer.weight is not None and g.shape[-1] == 1:
+            if factor_linear and layer.kind == "linear" and layer.weight is not None and g.shape[-1] == 1:
                 lin[layer.weight] = (a[..., 0], g[..., 0], layer.bias)
                 continue
             jw, jb = p.layer_jacobian(i)
@@ -173,29 +173,35 @@ def _collect(model: nn.Module, x: Tensor, spec: _Sigma, rows_fn: Callable, group
 
 
 def _t_chunks(a: Tensor, s_w: Tensor, s_b: Tensor | None, per_o: int):
-    """Yield (o-slice, T[o-slice]) with T_o[m, n] = Σ_i a_{m,i} S_{o,i} a_{n,i} + s_o (bounded memory)."""
+    """Yield (o-slice, T) with T[m, o, n] = Σ_i a_{m,i} S_{o,i} a_{n,i} + s_o for a slice of outputs o,
+    the slice sized so that no intermediate exceeds :data:`BUDGET` numbers (``per_o`` = extra numbers per
+    (m, o, n) the caller will form)."""
     m, d_in = a.shape
     d_out = s_w.shape[0]
-    step = max(1, min(d_out, BUDGET // max(1, m * max(d_in, m, per_o))))
+    step = max(1, min(d_out, BUDGET // max(1, m * max(d_in, m * per_o))))
     at = a.T
     for o0 in range(0, d_out, step):
         sl = slice(o0, min(o0 + step, d_out))
-        t = torch.matmul(a.unsqueeze(0) * s_w[sl].unsqueeze(1), at)  # [o, M, M]
+        t = torch.matmul(a.unsqueeze(1) * s_w[sl].unsqueeze(0), at)  # [M, o, I] @ [I, N] → [M, o, N]
         if s_b is not None:
-            t = t + s_b[sl].view(-1, 1, 1)
+            t = t + s_b[sl].view(1, -1, 1)
         yield sl, t
 
 
 def _block_diag_lin(out: Tensor, rows: _Rows, spec: _Sigma, w: str) -> None:
-    """Class-wise blocks for a factored Linear layer: out [Cg, M, M] += ..."""
+    """Class-wise blocks for a factored Linear layer: out [Cg, M, M] += ...
+
+    diag Σ: K_c[m, n] += Σ_o g[m,c,o] T[m,o,n] g[n,c,o] — one broadcast product and one batched
+    matrix product (batch m) per class; Kron Σ: (g_c G g_cᵀ) ⊙ (ã A ãᵀ)."""
     a, g, b = rows.linear[w]
     if w not in spec.blocks:
         s_b = spec.diag[b] if b is not None else None
         for sl, t in _t_chunks(a, spec.diag[w], s_b, 1):
             gs = g[:, :, sl]  # [M, Cg, o]
             for c in range(rows.c):
-                gc = gs[:, c, :].T  # [o, M]
-                out[c] += (gc.unsqueeze(2) * t * gc.unsqueeze(1)).sum(0)
+                gc = gs[:, c, :].contiguous()  # [M, o]
+                y = t * gc.T.contiguous().unsqueeze(0)  # [M, o, N] scaled by g[n, c, o]
+                out[c] += torch.bmm(gc.unsqueeze(1), y).squeeze(1)
     else:  # kron
         bias, A, G = spec.blocks[w]
         at = torch.cat([a, a.new_ones(a.shape[0], 1)], 1) if bias is not None else a
@@ -212,10 +218,10 @@ def _full_lin(out: Tensor, r1: _Rows, r2: _Rows, spec: _Sigma, w: str) -> None:
     if w not in spec.blocks:
         s_b = spec.diag[b] if b is not None else None
         for sl, t in _t_chunks(a, spec.diag[w], s_b, r2.c):
-            # Z[o, m, (n, d)] = T[o, m, n] g2[n, d, o];  out[m, c, (n, d)] += Σ_o g1[m, c, o] Z[o, m, (n, d)]
+            # Z[m, o, (n, d)] = T[m, o, n] g2[n, d, o];  out[m, c, (n, d)] += Σ_o g1[m, c, o] Z[m, o, (n, d)]
             g2s = g2[:, :, sl].permute(2, 0, 1)  # [o, N, C2]
-            z = (t.unsqueeze(-1) * g2s.unsqueeze(1)).reshape(t.shape[0], m, -1)  # [o, M, N·C2]
-            out += torch.bmm(g1[:, :, sl], z.transpose(0, 1)).reshape(out.shape)
+            z = (t.unsqueeze(-1) * g2s.unsqueeze(0)).reshape(m, t.shape[1], -1)  # [M, o, N·C2]
+            out += torch.bmm(g1[:, :, sl], z).reshape(out.shape)
     else:
         bias, A, G = spec.blocks[w]
         at = torch.cat([a, a.new_ones(m, 1)], 1) if bias is not None else a
@@ -247,23 +253,37 @@ def _dense_groups(rows: _Rows, spec: _Sigma):
         yield t.reshape(rows.m, rows.c, -1), (lambda r, s=s: r * s)
 
 
-def _contract(spec: _Sigma, r1: _Rows, r2: _Rows | None, blockwise: bool) -> Tensor:
+def _contract_linear(out: Tensor, spec: _Sigma, rows: _Rows, blockwise: bool) -> None:
+    """Add the factored Linear layers' part (all classes at once, so T is formed once)."""
+    for w in rows.linear:
+        if blockwise:
+            _block_diag_lin(out, rows, spec, w)
+        else:
+            _full_lin(out, rows, rows, spec, w)
+
+
+def _contract_dense(spec: _Sigma, r1: _Rows, r2: _Rows | None, blockwise: bool) -> Tensor:
+    """The dense rows' part: [Cg, M, M] class blocks, or the [M, C1, M, C2] block between two groups."""
     m = r1.m
     ref = next(iter(spec.sel.values()))
     if blockwise:
         out = ref.new_zeros(r1.c, m, m)
-        for w in r1.linear:
-            _block_diag_lin(out, r1, spec, w)
         for j, apply in _dense_groups(r1, spec):
             jt = j.transpose(0, 1)  # [Cg, M, P]
             out += torch.matmul(apply(jt), jt.transpose(1, 2))
         return out
     r2 = r1 if r2 is None else r2
     out = ref.new_zeros(m, r1.c, m, r2.c)
-    for w in r1.linear:
-        _full_lin(out, r1, r2, spec, w)
     for (j1, apply), (j2, _) in zip(_dense_groups(r1, spec), _dense_groups(r2, spec)):
         out += (apply(j1).reshape(m * r1.c, -1) @ j2.reshape(m * r2.c, -1).T).reshape(out.shape)
+    return out
+
+
+def _merge_linear(parts: list[_Rows], m: int) -> _Rows:
+    """Concatenate the factored Linear rows of all class groups (a is shared, g joins along classes)."""
+    out = _Rows(m=m, c=sum(p.c for p in parts))
+    for w, (a, _, b) in parts[0].linear.items():
+        out.linear[w] = (a, torch.cat([p.linear[w][1] for p in parts], dim=1), b)
     return out
 
 
@@ -319,7 +339,7 @@ def kernel(
     if method != "structured":
         raise ValueError(f"method: got {method!r}; allowed: 'structured', 'jvp'")
     k = _n_outputs(model, x, kw, output_fn)
-    chunk = int(chunk_size) if chunk_size is not None else m
+    chunk = int(chunk_size) if chunk_size is not None else min(m, DEFAULT_CHUNK)
     rows_fn = output_jacobian_cotangents(output_fn)
     factor_linear = spec.kind != "full"
     # class groups so that the dense rows of one group stay within BUDGET numbers
@@ -333,17 +353,30 @@ def kernel(
     def collect(g: list[int]) -> _Rows:
         return _collect(model, x, spec, rows_fn, g, head, chunk, factor_linear)
 
+    # dense rows (Conv2d, BatchNorm, other parameters, full Σ) group by group; factored Linear rows
+    # of every group are kept (small: a [M, d_in], g [M, Cg, d_out]) and contracted once at the end.
+    parts: list[_Rows] = []
     if blockwise:
-        return torch.cat([_contract(spec, collect(g), None, True) for g in groups])
+        out = torch.empty(k, m, m, device=device, dtype=dtype)
+        for g in groups:
+            r = collect(g)
+            out[g[0]:g[-1] + 1] = _contract_dense(spec, r, None, True)
+            r.dense.clear()
+            parts.append(r)
+        _contract_linear(out, spec, _merge_linear(parts, m), True)
+        return out
     out = torch.empty(m, k, m, k, device=device, dtype=dtype)
     for i, gi in enumerate(groups):
         ri = collect(gi)
         for gj in groups[i:]:
             rj = ri if gj is gi else collect(gj)
-            blk = _contract(spec, ri, rj, False)  # [M, Ci, M, Cj]
+            blk = _contract_dense(spec, ri, rj, False)  # [M, Ci, M, Cj]
             out[:, gi[0]:gi[-1] + 1, :, gj[0]:gj[-1] + 1] = blk
             if gj is not gi:
                 out[:, gj[0]:gj[-1] + 1, :, gi[0]:gi[-1] + 1] = blk.permute(2, 3, 0, 1)
+        ri.dense.clear()
+        parts.append(ri)
+    _contract_linear(out, spec, _merge_linear(parts, m), False)
     return out.reshape(m * k, m * k)
 
 
