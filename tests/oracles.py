@@ -116,15 +116,24 @@ def hessian(model: nn.Module, x: Tensor, y: Tensor, *, head=None, param_names=No
     return torch.stack(rows)
 
 
-def kfac_factors(model: nn.Module, layer: nn.Module, x: Tensor, cotangents: Callable[[Tensor], Tensor], *,
-                 head=None, bias: bool = True) -> tuple[Tensor, Tensor]:
-    """K-FAC-expand factors by their definitions, one example and one cotangent at a time:
-    A = (1/(N R)) Σ_i Σ_r ã_{i,r} ã_{i,r}ᵀ, G = Σ_i Σ_c Σ_r g_{i,c,r} g_{i,c,r}ᵀ with
-    g_{i,c} = ∂(v_{i,c}ᵀ f_i)/∂(layer output) and v = cotangents(f_i) [1, C, K]."""
+def kfac_factors(model: nn.Module, layer: nn.Module, x: Tensor, *, y: Tensor | None = None, head=None,
+                 bias: bool = True, mode: str = "ggn", likelihood: str = "classification",
+                 sigma: float = 1.0) -> tuple[Tensor, Tensor]:
+    """K-FAC-expand factors of one Linear/Conv2d layer by their definitions, one example at a time:
+
+        A = (1/(N R)) Σ_i Σ_r ã_{i,r} ã_{i,r}ᵀ
+        G = Σ_i Σ_r J_{i,r}ᵀ Λ_i J_{i,r}          (mode "ggn"; J_{i,r} = ∂f_i/∂y_{i,r}, Λ_i by autograd)
+        G = Σ_i Σ_r ∂ℓ_i/∂y_{i,r} (∂ℓ_i/∂y_{i,r})ᵀ  (mode "grad"; labels y)
+
+    with ã = [a; 1] the (bias-augmented) input patch at output position r and y the layer output.
+    """
     store = {}
 
     def hook(mod, inp, out):
         store["a"], store["y"] = inp[0], out
+
+    def by_position(gy: Tensor) -> Tensor:  # layer-output gradient of one example → [d_out, R]
+        return gy[0].reshape(gy.shape[1], -1) if isinstance(layer, nn.Conv2d) else gy[0].reshape(-1, gy.shape[-1]).T
 
     h = layer.register_forward_hook(hook)
     try:
@@ -141,11 +150,15 @@ def kfac_factors(model: nn.Module, layer: nn.Module, x: Tensor, cotangents: Call
                 patches = torch.cat([patches, torch.ones(patches.shape[0], 1, dtype=a.dtype)], 1)
             a_sum = a_sum + patches.T @ patches
             count += patches.shape[0]
-            v = cotangents(f.detach())[0]
-            for c in range(v.shape[0]):
-                (g,) = torch.autograd.grad((f[0] * v[c]).sum(), yout, retain_graph=True)
-                gm = g[0].reshape(g.shape[1], -1) if isinstance(layer, nn.Conv2d) else g[0].reshape(-1, g.shape[-1]).T
-                g_sum = g_sum + gm @ gm.T
+            if mode == "ggn":
+                lam = output_hessians(model, x[i:i + 1], head=head, likelihood=likelihood, sigma=sigma)[0]
+                jy = torch.stack([by_position(torch.autograd.grad(f[0, k], yout, retain_graph=True)[0])
+                                  for k in range(f.shape[1])])  # [K, d_out, R]
+                g_sum = g_sum + torch.einsum("kor,kl,lpr->op", jy, lam, jy)
+            else:
+                loss = per_example_losses(f, y[i:i + 1], likelihood, sigma)[0]
+                gy = by_position(torch.autograd.grad(loss, yout)[0])
+                g_sum = g_sum + gy @ gy.T
         return (a_sum / count).detach(), g_sum.detach()
     finally:
         h.remove()

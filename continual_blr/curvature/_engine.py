@@ -353,12 +353,17 @@ def backprop(
                     taps.mode, taps.taps = None, None
 
             _, pullback = vjp(batched, tap0)
-            grads = [pullback(v[:, c])[0] for c in range(v.shape[1])]
+            n_c = v.shape[1]
+            gbuf = {i: t.new_empty((t.shape[0], n_c) + t.shape[1:]) for i, t in tap0.items()}  # [B, C, *out]
+            for c in range(n_c):  # one pullback per cotangent index; written in place (no stacked copies)
+                (gr,) = pullback(v[:, c])
+                for i, t in gr.items():
+                    gbuf[i][:, c] = t
+                del gr
+            del pullback
             for l in tapped:
-                g = torch.stack([gr[l.index] for gr in grads], dim=1)  # [B, C, *out]
                 out.a[l.index] = l.patches(taps.inputs[l.index].detach())
-                out.g[l.index] = l.out_grads(g)
-            del grads, pullback
+                out.g[l.index] = l.out_grads(gbuf.pop(l.index))
         taps.inputs.clear()
 
         # 3) other parameters: per-example vjp (vmap over examples and cotangents).

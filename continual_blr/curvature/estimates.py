@@ -156,13 +156,15 @@ def diag_curvature(run: Iterable[tuple[Pass, Tensor | None]], sel: ParamDict) ->
                     g2 = g[..., 0].square().sum(1)  # [B, d_out]
                     dw = g2.T @ a[..., 0].square()  # [d_out, d_in]
                 else:
-                    jw, _ = p.layer_jacobian(i)
-                    dw = jw.square().sum((0, 1))
+                    jw, _ = p.layer_jacobian(i)  # chunk·C·(d_out·d_in) numbers, squared in place
+                    dw = jw.square_().sum((0, 1))
+                    del jw
                 acc[layer.weight] += dw.reshape(acc[layer.weight].shape)
             if layer.bias is not None:
                 acc[layer.bias] += g.sum(-1).square().sum((0, 1))
         for name, u in p.other.items():
             acc[name] += u.square().sum((0, 1))
+        del p  # free this chunk before the next pass
     return acc
 
 
@@ -205,9 +207,9 @@ def kron_curvature(run: Iterable[tuple[Pass, Tensor | None]], sel: ParamDict) ->
                 if i in p.g:
                     jw, jb = p.layer_jacobian(i)
                     if layer.weight is not None:
-                        acc_diag[layer.weight] += jw.square().sum((0, 1))
+                        acc_diag[layer.weight] += jw.square_().sum((0, 1))
                     if layer.bias is not None:
-                        acc_diag[layer.bias] += jb.square().sum((0, 1))
+                        acc_diag[layer.bias] += jb.square_().sum((0, 1))
                 continue
             d_in = layer.d_in + (1 if layer.bias is not None else 0)
             if i not in a_sum:

@@ -85,6 +85,7 @@ def passes(
                 yc = yb[sl] if yb is not None else None
                 p = backprop(model, selected, layers, xb[sl], lambda f: cotangents(f, yc, sl, state), kw)
                 yield p, yc
+                del p  # the consumer is done with this chunk: free it before the next pass
 
 
 def pass_rows(p: Pass, selected: ParamDict) -> ParamDict:
