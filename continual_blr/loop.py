@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.nn import functional as F
 from tqdm.auto import tqdm
 
@@ -30,7 +30,7 @@ from .methods.base import Method, TrainConfig
 from .optim.blr import BayesianLearningRule
 from .types import Batch
 
-__all__ = ["StreamResult", "run_stream", "fit_task", "evaluate_task", "stream_metrics"]
+__all__ = ["StreamResult", "run_stream", "fit_task", "train_step", "evaluate_task", "stream_metrics"]
 
 
 @dataclass
@@ -124,6 +124,37 @@ def _blr_closure(model: nn.Module, method: Method, batch: Batch, task: Task):
     return closure
 
 
+def train_step(
+    model: nn.Module,
+    method: Method,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    task: Task,
+    train: TrainConfig,
+) -> Tensor:
+    """One optimisation step on one minibatch; returns its loss (detached or not, before the step).
+
+    The single place a minibatch becomes an update: :func:`fit_task` and the Avalanche plugins
+    (``continual_blr.integrations.avalanche``) both call it. A BLR optimiser steps from a closure over
+    per-example losses (see ``optim.blr``); any other optimiser steps on the gradient of
+    ``method.loss``, clipped to ``train.grad_clip``.
+    """
+    if isinstance(optimizer, BayesianLearningRule):
+        # Per-example gradients under torch.func: deterministic layers (dropout off).
+        model.eval()
+        try:
+            return optimizer.step(_blr_closure(model, method, batch, task))
+        finally:
+            model.train()
+    optimizer.zero_grad(set_to_none=True)
+    loss = method.loss(model, batch, task)
+    loss.backward()
+    if train.grad_clip is not None:
+        nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+    optimizer.step()
+    return loss
+
+
 def fit_task(
     model: nn.Module,
     task: Task,
@@ -138,24 +169,12 @@ def fit_task(
     method.on_task_start(model, task)
     optimizer = method.make_optimizer(model, task, train)
     tasks = method.train_tasks(task, seen)
-    blr = isinstance(optimizer, BayesianLearningRule)
     last = math.nan
     bar = tqdm(range(train.epochs), desc=f"task {task.task_id}", leave=False, disable=not progress)
     for _ in bar:
         total, n = 0.0, 0
         for t, batch in _batches(tasks, train.batch_size, generator):
-            if blr:
-                # Per-example gradients under torch.func: deterministic layers (dropout off).
-                model.eval()
-                loss = optimizer.step(_blr_closure(model, method, batch, t))
-                model.train()
-            else:
-                optimizer.zero_grad(set_to_none=True)
-                loss = method.loss(model, batch, t)
-                loss.backward()
-                if train.grad_clip is not None:
-                    nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
-                optimizer.step()
+            loss = train_step(model, method, optimizer, batch, t, train)
             total += float(loss.detach()) * batch.y.shape[0]
             n += batch.y.shape[0]
         last = total / max(n, 1)
