@@ -51,10 +51,14 @@ __all__ = [
     "backprop",
     "forward",
     "DEFAULT_CHUNK",
+    "auto_chunk",
 ]
 
 DEFAULT_CHUNK = 256
-"""Examples per vectorised pass when ``chunk_size`` is None."""
+"""Points per pass of the kernels when ``chunk_size`` is None."""
+CHUNK_BUDGET = 2**26
+"""Numbers one pass may hold when the chunk size is chosen automatically (256 MiB in float32)."""
+MAX_CHUNK = 4096
 
 
 # ----------------------------------------------------------------------------------------- modes / calls
@@ -105,16 +109,38 @@ def iter_batches(x: Tensor | Iterable, y: Tensor | None) -> Iterator[tuple[Tenso
             yield item[0], (item[1] if len(item) > 1 else None)
 
 
-def resolve_chunk(chunk_size: int | None, batch_size: int | None = None) -> int:
-    """Validate the chunk size (``batch_size`` is accepted as an alias)."""
+def resolve_chunk(chunk_size: int | None, batch_size: int | None = None) -> int | None:
+    """Validate the chunk size (``batch_size`` is accepted as an alias); None means automatic."""
     if chunk_size is not None and batch_size is not None and chunk_size != batch_size:
         raise ValueError(f"chunk_size={chunk_size} and batch_size={batch_size} disagree; pass one of them")
     c = chunk_size if chunk_size is not None else batch_size
     if c is None:
-        return DEFAULT_CHUNK
+        return None
     if int(c) < 1:
         raise ValueError(f"chunk_size: got {c}; must be a positive integer")
     return int(c)
+
+
+def auto_chunk(model: nn.Module, layers: list[Layer], x: Tensor, kw: dict, dense: int = 0,
+               budget: int | None = None) -> int:
+    """Examples per pass so that one pass holds about ``budget`` numbers, from a probe forward on one
+    example: per example and cotangent (C ≈ K) the tapped layers' outputs plus the largest Conv2d
+    weight (its per-example gradient is formed) plus ``dense`` (numbers per example and cotangent the
+    caller forms, e.g. P for full Jacobian rows), plus the layers' input patches."""
+    budget = CHUNK_BUDGET if budget is None else budget
+    with _Taps(layers) as taps:
+        taps.mode = "record"
+        try:
+            with torch.no_grad():
+                f = forward(model, x[:1], kw)
+        finally:
+            taps.mode = None
+        outs = sum(int(torch.Size(s[1:]).numel()) for s in taps.out_shapes.values())
+        patches = sum(int(l.patches(taps.inputs[l.index]).numel()) for l in layers if l.index in taps.inputs)
+        taps.inputs.clear()
+    conv = max([l.module.weight.numel() for l in layers if l.kind == "conv"], default=0)
+    per_example = f.shape[1] * (outs + conv + dense) + patches
+    return int(max(1, min(MAX_CHUNK, budget // max(1, per_example))))
 
 
 def model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:

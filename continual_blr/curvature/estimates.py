@@ -83,8 +83,10 @@ def curvature(
         sigma: Gaussian noise standard deviation (regression): Λ = I/σ².
         head: output head of a multi-head model (one per call).
         param_names: subset of parameter names (default: all trainable), e.g. the last layer.
-        chunk_size: examples per vectorised pass; bounds memory at about chunk·C·P numbers for the
-            largest per-example array (C = K for the GGN). ``batch_size`` is an alias.
+        chunk_size: examples per vectorised pass. A pass holds at most about chunk·C·P numbers (C
+            cotangents per example, C = K for the GGN) — far less for Linear layers, whose diagonal
+            and K-FAC factors need no per-example gradients. Default: chosen from a probe forward so
+            that a pass holds about 2²⁶ numbers. ``batch_size`` is an alias.
         generator: ``torch.Generator`` for ``mc_fisher`` (required there). Noise is drawn on the
             generator's device per batch, so results do not depend on the chunking or model device.
         mc_samples: S, labels sampled per example for ``mc_fisher`` (the estimate averages over them).
@@ -105,7 +107,8 @@ def curvature(
     if kind is Curvature.HESSIAN:
         return _hessian(model, x, y, sel, structure, likelihood, sigma, head, chunk)
     cot, per_batch = _cotangent_fn(kind, likelihood, sigma, generator, mc_samples, model)
-    run = passes(model, x, y, sel, cot, head=head, chunk_size=chunk, per_batch=per_batch)
+    dense = sum(t.numel() for t in sel.values()) if structure is Structure.FULL else 0
+    run = passes(model, x, y, sel, cot, head=head, chunk_size=chunk, per_batch=per_batch, dense=dense)
     if structure is Structure.DIAG:
         return diag_curvature(run, sel)
     if structure is Structure.FULL:
@@ -125,7 +128,6 @@ def _cotangent_fn(kind: Curvature, likelihood: str, sigma: float, generator: tor
     if int(mc_samples) < 1:
         raise ValueError(f"mc_samples: got {mc_samples}; must be ≥ 1")
     device, dtype = model_device_dtype(model)
-    k_out: dict[str, int] = {}
 
     def per_batch(n: int, yb: Tensor | None) -> dict:
         return {"n": n, "noise": None}
@@ -133,7 +135,6 @@ def _cotangent_fn(kind: Curvature, likelihood: str, sigma: float, generator: tor
     def cot(f: Tensor, yc: Tensor | None, sl: slice, st: dict) -> Tensor:
         if st["noise"] is None:  # drawn once per batch, for all its chunks
             st["noise"] = lk.draw_noise(st["n"], f.shape[1], int(mc_samples), likelihood, generator, device, dtype)
-        k_out["k"] = f.shape[1]
         return lk.mc_cotangents(f, st["noise"][sl], likelihood, sigma)
 
     return cot, per_batch
@@ -250,8 +251,8 @@ def _hessian(model: nn.Module, x, y, sel: ParamDict, structure: Structure, likel
         raise ValueError("structure: 'kron' is not available for kind 'hessian'; use 'diag' or 'full'")
     device, dtype = model_device_dtype(model)
     kw = model_kwargs(model, head)
-    names = list(sel)
     acc = None
+    chunk = chunk or 64
     with eval_mode(model):
         for xb, yb in iter_batches(x, y):
             xb = xb.to(device=device, dtype=dtype if xb.is_floating_point() else None)
@@ -271,4 +272,4 @@ def _hessian(model: nn.Module, x, y, sel: ParamDict, structure: Structure, likel
         raise ValueError("x: no data")
     if structure is Structure.FULL:
         return acc
-    return {n: t.clone() for n, t in unflatten(torch.diagonal(acc).clone(), sel).items()} if names else {}
+    return {n: t.clone() for n, t in unflatten(torch.diagonal(acc), sel).items()}

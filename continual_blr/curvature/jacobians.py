@@ -15,6 +15,7 @@ from torch.func import jacrev, vmap
 from ..types import ParamDict, params_of
 from ._engine import (
     Pass,
+    auto_chunk,
     backprop,
     eval_mode,
     find_layers,
@@ -61,8 +62,9 @@ def passes(
     cotangents: Callable[[Tensor, Tensor | None, slice, int], Tensor],
     *,
     head: int | None,
-    chunk_size: int,
+    chunk_size: int | None,
     per_batch: Callable[[int, Tensor | None], object] | None = None,
+    dense: int = 0,
 ) -> Iterator[tuple[Pass, Tensor | None]]:
     """Run :func:`backprop` chunk by chunk over the data, on the model's device and dtype.
 
@@ -79,6 +81,8 @@ def passes(
             if yb is not None:
                 yb = yb.to(device=device, non_blocking=True)
             n = xb.shape[0]
+            if chunk_size is None:
+                chunk_size = auto_chunk(model, layers, xb, kw, dense)
             state = per_batch(n, yb) if per_batch is not None else None
             for start in range(0, n, chunk_size):
                 sl = slice(start, min(start + chunk_size, n))
@@ -138,7 +142,8 @@ def per_example_jacobians(
         x: inputs [B, ...].
         head: output head of a multi-head model.
         param_names: subset of ``model.named_parameters()`` names (default: all trainable).
-        chunk_size: examples per vectorised pass (default 256); memory O(chunk·K·P).
+        chunk_size: examples per vectorised pass (default: chosen from a probe forward so that a pass
+            holds about 2²⁶ numbers); memory O(chunk·K·P) at most.
         output_fn: row-wise map of the logits, e.g. ``lambda f: f.softmax(-1)`` (FROMP's
             probability-space Jacobians).
 
@@ -148,8 +153,9 @@ def per_example_jacobians(
     chunk = resolve_chunk(chunk_size)
     sel = select(model, param_names)
     rows = output_jacobian_cotangents(output_fn)
+    p_all = sum(t.numel() for t in sel.values())
     chunks = [pass_rows(p, sel) for p, _ in passes(model, x, None, sel, lambda f, y, sl, s: rows(f),
-                                                    head=head, chunk_size=chunk)]
+                                                    head=head, chunk_size=chunk, dense=p_all)]
     return _stack(chunks)
 
 
@@ -188,5 +194,6 @@ def per_example_grads(
         return grad.unsqueeze(1)
 
     chunks = [{k: v[:, 0] for k, v in pass_rows(p, sel).items()}
-              for p, _ in passes(model, x, y, sel, cot, head=head, chunk_size=chunk)]
+              for p, _ in passes(model, x, y, sel, cot, head=head, chunk_size=chunk,
+                                 dense=sum(t.numel() for t in sel.values()))]
     return torch.cat(losses), _stack(chunks)

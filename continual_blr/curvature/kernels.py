@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, jvp, vjp, vmap
 
 from ..types import KronCurvature, ParamDict, flatten, params_of, unflatten
-from ._engine import DEFAULT_CHUNK, eval_mode, find_layers, model_device_dtype, model_kwargs
+from ._engine import eval_mode, find_layers, model_device_dtype, model_kwargs
 from .jacobians import output_jacobian_cotangents, passes
 
 __all__ = ["kernel", "kernel_vector_product", "BUDGET"]
@@ -136,13 +136,13 @@ class _Rows:
     dense: ParamDict = field(default_factory=dict)
 
 
-def _collect(model: nn.Module, x: Tensor, spec: _Sigma, rows_fn: Callable, group: list[int], head, chunk: int,
+def _collect(model: nn.Module, x: Tensor, spec: _Sigma, rows_fn: Callable, group: list[int], head, chunk: int | None,
              factor_linear: bool) -> _Rows:
     pieces: list[dict] = []
-    idx = torch.tensor(group)
+    lo, hi = group[0], group[-1] + 1  # groups are contiguous ranges of classes
 
     def cot(f: Tensor, yc, sl, st) -> Tensor:
-        return rows_fn(f)[:, idx.to(f.device), :]
+        return rows_fn(f)[:, lo:hi, :]
 
     for p, _ in passes(model, x, None, spec.sel, cot, head=head, chunk_size=chunk):
         lin, dense = {}, dict(p.other)
@@ -339,7 +339,7 @@ def kernel(
     if method != "structured":
         raise ValueError(f"method: got {method!r}; allowed: 'structured', 'jvp'")
     k = _n_outputs(model, x, kw, output_fn)
-    chunk = int(chunk_size) if chunk_size is not None else min(m, DEFAULT_CHUNK)
+    chunk = int(chunk_size) if chunk_size is not None else None  # None: automatic (probe forward)
     rows_fn = output_jacobian_cotangents(output_fn)
     factor_linear = spec.kind != "full"
     # class groups so that the dense rows of one group stay within BUDGET numbers
