@@ -12,6 +12,7 @@ from typing import Any
 
 from .base import Method, TrainConfig, make_torch_optimizer
 from .blr import BLRMethod, BLRParams
+from .fromp import FROMPFullParams, FROMPKronParams, FROMPL2Params, FROMPMethod, FROMPParams, FRORPParams
 from .joint import JointMethod
 
 __all__ = ["Method", "TrainConfig", "METHODS", "build_method", "make_torch_optimizer", "register"]
@@ -20,6 +21,11 @@ METHODS: dict[str, tuple[type[Method], type | None]] = {
     "none": (Method, None),
     "joint": (JointMethod, None),
     "blr": (BLRMethod, BLRParams),
+    "fromp": (FROMPMethod, FROMPParams),
+    "frorp": (FROMPMethod, FRORPParams),
+    "fromp-l2": (FROMPMethod, FROMPL2Params),
+    "fromp-full": (FROMPMethod, FROMPFullParams),
+    "fromp-kron": (FROMPMethod, FROMPKronParams),
 }
 
 

@@ -1,0 +1,254 @@
+"""Memorable examples: which past inputs a functional regulariser keeps, and the store that holds them.
+
+Selection (Pan et al. 2020, Sec. 3.2 "Identifying memorable past"): after training task t, score every
+training input by the trace of the softmax-cross-entropy output Hessian on the task's own head,
+
+    λ(x) = tr Λ(x) = Σ_k p_k(x) (1 − p_k(x)),      Λ(x) = diag(p) − ppᵀ,  p = softmax(f_θ(x, head)),
+
+and keep, **per class** (grouped by the stored label), the ``k_c`` inputs with the largest λ. λ is
+largest where the network is least certain: these are the examples closest to the decision boundary
+(the ones a GP's posterior depends on most). Two ablations: ``"random"`` (FRORP: k_c inputs drawn
+uniformly per class with a seeded ``torch.Generator``) and ``"lowest"`` (the k_c smallest λ).
+
+Allocation: ``n_points`` per task are split over the C classes present as evenly as possible,
+``k_c = n_points // C`` plus one for the first ``n_points % C`` classes in increasing label order (the
+reference code uses ``n_points // C``; with n_points divisible by C, as in every published protocol,
+the two agree). A class with fewer than k_c examples contributes all of them. Ties in λ are broken by
+the lower index (stable sort), so the selection is deterministic.
+
+The store (:class:`MemoryStore`) holds one :class:`MemoryEntry` per past task: the inputs, their labels
+and indices into the task's training set, the task id and the head, the scores and the selection rule,
+plus ``extras`` — whatever the regulariser rebuilt from them (FROMP: old predictions, kernels,
+Cholesky factors). ``state_dict()`` holds only tensors and plain Python values, so ``torch.save`` /
+``torch.load(weights_only=True)`` round-trip it and an inspection tool can read it from a finished run.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from .types import ParamDict
+
+__all__ = [
+    "SELECTIONS",
+    "hessian_trace_scores",
+    "select_per_class",
+    "select_memorable",
+    "MemoryEntry",
+    "MemoryStore",
+    "forward",
+]
+
+SELECTIONS = ("lambda", "random", "lowest")
+
+
+def _accepts_head(model: nn.Module) -> bool:
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        return False
+    return "head" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def forward(model: nn.Module, x: Tensor, head: int = 0, params: ParamDict | None = None) -> Tensor:
+    """``model(x, head=head)`` (or ``model(x)`` for a module without heads), optionally at ``params``
+    through ``torch.func.functional_call`` (so ``torch.func`` transforms can differentiate it)."""
+    kw = {"head": int(head)} if _accepts_head(model) else {}
+    if not kw and head not in (0, None):
+        raise ValueError(f"head: got {head!r}, but {type(model).__name__}.forward takes no 'head' argument")
+    if params is None:
+        return model(x, **kw)
+    return functional_call(model, params, (x,), kw)
+
+
+@torch.no_grad()
+def hessian_trace_scores(model: nn.Module, x: Tensor, *, head: int = 0, batch_size: int = 1024) -> Tensor:
+    """λ(x_i) = Σ_k p_ik (1 − p_ik) with p_i = softmax(f_θ(x_i, head)) over all the head's outputs.
+
+    The model runs in eval mode (dropout off, BatchNorm on running statistics); its flags are restored.
+
+    Returns:
+        [N] scores in the model's dtype, on the inputs' device.
+    """
+    was = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        out = []
+        for s in range(0, x.shape[0], batch_size):
+            p = torch.softmax(forward(model, x[s : s + batch_size], head), dim=-1)
+            out.append((p * (1.0 - p)).sum(-1))
+        return torch.cat(out) if out else x.new_zeros(0)
+    finally:
+        for m, flag in was:
+            m.training = flag
+
+
+def _allocation(classes: list[int], n_points: int) -> dict[int, int]:
+    c = len(classes)
+    base, extra = divmod(int(n_points), c)
+    return {cls: base + (1 if i < extra else 0) for i, cls in enumerate(classes)}
+
+
+def select_per_class(
+    scores: Tensor,
+    labels: Tensor,
+    n_points: int,
+    *,
+    selection: str = "lambda",
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Indices of the memorable examples: per class, top-k (``"lambda"``), bottom-k (``"lowest"``) by
+    ``scores``, or k at random (``"random"``, drawn from ``generator``). See the module docstring for k.
+
+    Returns:
+        int64 indices into ``scores`` / ``labels``, grouped by class (increasing label), within a class
+        in rank order (random order for ``"random"``).
+    """
+    if selection not in SELECTIONS:
+        raise ValueError(f"selection: got {selection!r}; allowed: {', '.join(map(repr, SELECTIONS))}")
+    if int(n_points) < 1:
+        raise ValueError(f"n_points: must be >= 1, got {n_points}")
+    if scores.shape != labels.shape or scores.dim() != 1:
+        raise ValueError(f"scores and labels: expected two [N] tensors, got {tuple(scores.shape)} and "
+                         f"{tuple(labels.shape)}")
+    if selection == "random" and generator is None:
+        raise ValueError("generator: selection 'random' needs a torch.Generator (the choice must be reproducible)")
+    classes = sorted(int(c) for c in torch.unique(labels).tolist())
+    if not classes:
+        return torch.zeros(0, dtype=torch.long, device=labels.device)
+    alloc = _allocation(classes, n_points)
+    out = []
+    for cls in classes:
+        idx = (labels == cls).nonzero().squeeze(1)
+        k = min(alloc[cls], idx.numel())
+        if k == 0:
+            continue
+        if selection == "random":
+            pick = torch.randperm(idx.numel(), generator=generator, device=generator.device)[:k].to(idx.device)
+        else:
+            order = torch.sort(scores[idx], descending=(selection == "lambda"), stable=True).indices
+            pick = order[:k]
+        out.append(idx[pick])
+    return torch.cat(out)
+
+
+def select_memorable(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    n_points: int,
+    *,
+    head: int = 0,
+    selection: str = "lambda",
+    generator: torch.Generator | None = None,
+    batch_size: int = 1024,
+) -> tuple[Tensor, Tensor]:
+    """Score ``x`` by λ(x) on ``head`` and pick ``n_points`` per task (per class, see module docstring).
+
+    Returns:
+        ``(indices, scores)``: the chosen indices into ``x`` and the λ scores of **all** inputs.
+    """
+    scores = hessian_trace_scores(model, x, head=head, batch_size=batch_size)
+    return select_per_class(scores, y, n_points, selection=selection, generator=generator), scores
+
+
+@dataclass
+class MemoryEntry:
+    """The memorable past of one task.
+
+    Attributes:
+        task_id: the task's id.
+        head: the output head its points are evaluated on.
+        x: the memorable inputs [M, ...].
+        y: their labels [M] (in the task's label convention).
+        indices: their positions in the task's training set [M].
+        scores: their λ(x) at selection time [M].
+        selection: the rule that chose them (``"lambda"``, ``"random"``, ``"lowest"``).
+        columns: the output columns the regulariser compares (None: all of the head's outputs).
+        extras: what the regulariser derived from them (FROMP: ``p_old``, ``kernel``, ``chol``, ``kinv``).
+    """
+
+    task_id: int
+    head: int
+    x: Tensor
+    y: Tensor
+    indices: Tensor
+    scores: Tensor
+    selection: str
+    columns: tuple[int, ...] | None = None
+    extras: dict[str, Tensor] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.x.shape[0])
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "MemoryEntry":
+        """A copy with tensors on ``device``; floating inputs / extras cast to ``dtype`` if given."""
+
+        def mv(t: Tensor) -> Tensor:
+            return t.to(device=device, dtype=dtype if (dtype is not None and t.is_floating_point()) else None)
+
+        return MemoryEntry(self.task_id, self.head, mv(self.x), self.y.to(device), self.indices.to(device),
+                           mv(self.scores), self.selection, self.columns,
+                           {k: mv(v) for k, v in self.extras.items()})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "task_id": int(self.task_id),
+            "head": int(self.head),
+            "x": self.x,
+            "y": self.y,
+            "indices": self.indices,
+            "scores": self.scores,
+            "selection": self.selection,
+            "columns": None if self.columns is None else [int(c) for c in self.columns],
+            "extras": dict(self.extras),
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> "MemoryEntry":
+        cols = state.get("columns")
+        return cls(int(state["task_id"]), int(state["head"]), state["x"], state["y"], state["indices"],
+                   state["scores"], str(state["selection"]), None if cols is None else tuple(int(c) for c in cols),
+                   dict(state.get("extras", {})))
+
+
+class MemoryStore:
+    """The memorable past of every finished task, in task order."""
+
+    def __init__(self) -> None:
+        self.entries: list[MemoryEntry] = []
+
+    def add(self, entry: MemoryEntry) -> None:
+        """Append a task's memory (a task id may appear once)."""
+        if any(e.task_id == entry.task_id for e in self.entries):
+            raise ValueError(f"task_id: the store already holds memorable points of task {entry.task_id}")
+        self.entries.append(entry)
+
+    def clear(self) -> None:
+        self.entries = []
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __iter__(self):
+        return iter(self.entries)
+
+    def __getitem__(self, i: int) -> MemoryEntry:
+        return self.entries[i]
+
+    @property
+    def n_points(self) -> int:
+        """Memorable points over all tasks."""
+        return sum(len(e) for e in self.entries)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"entries": [e.state_dict() for e in self.entries]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.entries = [MemoryEntry.from_state_dict(s) for s in state["entries"]]
