@@ -33,6 +33,7 @@ Structures:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import closing
 
 import torch
 from torch import Tensor, nn
@@ -108,12 +109,11 @@ def curvature(
         return _hessian(model, x, y, sel, structure, likelihood, sigma, head, chunk)
     cot, per_batch = _cotangent_fn(kind, likelihood, sigma, generator, mc_samples, model)
     dense = sum(t.numel() for t in sel.values()) if structure is Structure.FULL else 0
-    run = passes(model, x, y, sel, cot, head=head, chunk_size=chunk, per_batch=per_batch, dense=dense)
-    if structure is Structure.DIAG:
-        return diag_curvature(run, sel)
-    if structure is Structure.FULL:
-        return full_curvature(run, sel)
-    return kron_curvature(run, sel)
+    reducer = {Structure.DIAG: diag_curvature, Structure.FULL: full_curvature, Structure.KRON: kron_curvature}
+    # closing(): the generator's eval-mode context ends here even when the reducer raises
+    with closing(passes(model, x, y, sel, cot, head=head, chunk_size=chunk, per_batch=per_batch,
+                        dense=dense)) as run:
+        return reducer[structure](run, sel)
 
 
 def _cotangent_fn(kind: Curvature, likelihood: str, sigma: float, generator: torch.Generator | None,

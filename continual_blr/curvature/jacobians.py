@@ -7,6 +7,7 @@ v = identity gives the Jacobian rows, a pass with v = ∇_f ℓ gives the per-ex
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import closing
 
 import torch
 from torch import Tensor, nn
@@ -70,7 +71,8 @@ def passes(
 
     ``cotangents(logits, y_chunk, sl, batch_state)`` builds v for one chunk; ``per_batch(n, y)`` may
     draw per-batch state (e.g. MC noise) so that results do not depend on the chunking. The model is
-    in eval mode for the whole iteration (restored afterwards).
+    in eval mode for the whole iteration (restored when the generator finishes or is closed —
+    consume it inside ``contextlib.closing`` so that an error in the consumer restores it at once).
     """
     device, dtype = model_device_dtype(model)
     kw = model_kwargs(model, head)
@@ -154,8 +156,9 @@ def per_example_jacobians(
     sel = select(model, param_names)
     rows = output_jacobian_cotangents(output_fn)
     p_all = sum(t.numel() for t in sel.values())
-    chunks = [pass_rows(p, sel) for p, _ in passes(model, x, None, sel, lambda f, y, sl, s: rows(f),
-                                                    head=head, chunk_size=chunk, dense=p_all)]
+    with closing(passes(model, x, None, sel, lambda f, y, sl, s: rows(f), head=head, chunk_size=chunk,
+                        dense=p_all)) as run:
+        chunks = [pass_rows(p, sel) for p, _ in run]
     return _stack(chunks)
 
 
@@ -193,7 +196,7 @@ def per_example_grads(
         grad = torch.func.grad(lambda z: loss_fn(z, yc).sum())(fd)
         return grad.unsqueeze(1)
 
-    chunks = [{k: v[:, 0] for k, v in pass_rows(p, sel).items()}
-              for p, _ in passes(model, x, y, sel, cot, head=head, chunk_size=chunk,
-                                 dense=sum(t.numel() for t in sel.values()))]
+    with closing(passes(model, x, y, sel, cot, head=head, chunk_size=chunk,
+                        dense=sum(t.numel() for t in sel.values()))) as run:
+        chunks = [{k: v[:, 0] for k, v in pass_rows(p, sel).items()} for p, _ in run]
     return torch.cat(losses), _stack(chunks)

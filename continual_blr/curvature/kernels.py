@@ -35,6 +35,7 @@ structured path is the faster one for the FROMP sizes (see ``benchmarks/results/
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass, field
 
 import torch
@@ -136,6 +137,25 @@ class _Rows:
     dense: ParamDict = field(default_factory=dict)
 
 
+def _pass_pieces(p, spec: _Sigma, factor_linear: bool) -> dict:
+    """One chunk's rows: factored (a, g) for Linear layers on 2-D inputs, dense rows for the rest."""
+    lin, dense = {}, dict(p.other)
+    for layer in p.layers:
+        i = layer.index
+        if i not in p.g:
+            continue  # unused layer (another head): zero rows, nothing to add
+        g, a = p.g[i], p.a[i]
+        if factor_linear and layer.kind == "linear" and layer.weight is not None and g.shape[-1] == 1:
+            lin[layer.weight] = (a[..., 0], g[..., 0], layer.bias)
+            continue
+        jw, jb = p.layer_jacobian(i)
+        if layer.weight is not None:
+            dense[layer.weight] = jw.reshape(jw.shape[:2] + spec.sel[layer.weight].shape)
+        if layer.bias is not None:
+            dense[layer.bias] = jb
+    return {"lin": lin, "dense": dense, "m": p.n}
+
+
 def _collect(model: nn.Module, x: Tensor, spec: _Sigma, rows_fn: Callable, group: list[int], head, chunk: int | None,
              factor_linear: bool) -> _Rows:
     pieces: list[dict] = []
@@ -144,22 +164,9 @@ def _collect(model: nn.Module, x: Tensor, spec: _Sigma, rows_fn: Callable, group
     def cot(f: Tensor, yc, sl, st) -> Tensor:
         return rows_fn(f)[:, lo:hi, :]
 
-    for p, _ in passes(model, x, None, spec.sel, cot, head=head, chunk_size=chunk):
-        lin, dense = {}, dict(p.other)
-        for layer in p.layers:
-            i = layer.index
-            if i not in p.g:
-                continue  # unused layer (another head): zero rows, nothing to add
-            g, a = p.g[i], p.a[i]
-            if factor_linear and layer.kind == "linear" and layer.weight is not None and g.shape[-1] == 1:
-                lin[layer.weight] = (a[..., 0], g[..., 0], layer.bias)
-                continue
-            jw, jb = p.layer_jacobian(i)
-            if layer.weight is not None:
-                dense[layer.weight] = jw.reshape(jw.shape[:2] + spec.sel[layer.weight].shape)
-            if layer.bias is not None:
-                dense[layer.bias] = jb
-        pieces.append({"lin": lin, "dense": dense, "m": p.n})
+    with closing(passes(model, x, None, spec.sel, cot, head=head, chunk_size=chunk)) as run:
+        for p, _ in run:
+            pieces.append(_pass_pieces(p, spec, factor_linear))
     out = _Rows(m=sum(pc["m"] for pc in pieces), c=len(group))
     for w in pieces[0]["lin"]:
         out.linear[w] = (torch.cat([pc["lin"][w][0] for pc in pieces]),
