@@ -8,22 +8,24 @@ products
 
 in a *factored* form where that is exact, so the B×C×P array is only formed when asked for:
 
-* **Linear / Conv2d layers** (the "tapped" layers). A zero tensor ``t`` is added to the layer's
-  output (a forward hook); ``torch.func.vjp`` with respect to ``t`` gives the backpropagated output
-  gradient ``g_{b,c} = ∂(v_{b,c}ᵀ f_b)/∂y_b`` of the layer output y. With the layer input a
-  (unfolded to patches for Conv2d, R = number of output positions; R = 1 for a Linear on [B, d_in]):
+* **Linear, Conv2d and (eval-mode, affine) BatchNorm layers** — the "tapped" layers. A zero tensor
+  ``t`` is added to the layer's output (a forward hook); ``torch.func.vjp`` of the batched
+  ``functional_call`` with respect to ``t`` gives the backpropagated output gradient
+  ``g_{b,c} = ∂(v_{b,c}ᵀ f_b)/∂y_b`` of the layer output y for every example at once (examples do not
+  interact in eval mode). With the layer input a (unfolded to patches for Conv2d, R = number of output
+  positions; R = 1 for a Linear on [B, d_in]):
 
-      ∂(v_{b,c}ᵀ f_b)/∂W = Σ_r g_{b,c,r} a_{b,r}ᵀ ,      ∂(v_{b,c}ᵀ f_b)/∂bias = Σ_r g_{b,c,r}.
+      ∂(v_{b,c}ᵀ f_b)/∂W = Σ_r g_{b,c,r} a_{b,r}ᵀ ,      ∂(v_{b,c}ᵀ f_b)/∂bias = Σ_r g_{b,c,r},
 
-  The weights themselves are *not* differentiated (they are constants of the functional call), so
-  the pass costs one forward and C backward passes through the activations only.
-* **Every other selected parameter** (BatchNorm affine weights, LayerNorm, a Linear that is called
-  twice in one forward, …): differentiated directly; ``vmap`` over the examples makes the result
-  per example ([B, C, *shape]).
+  and for BatchNorm ∂/∂γ = Σ_r g ⊙ x̂, ∂/∂β = Σ_r g with x̂ the input normalised by the running
+  statistics. The weights themselves are *not* differentiated (they are constants of the functional
+  call), so the pass costs two forwards and C backward passes through the activations only.
+* **Every other selected parameter** (LayerNorm, a Linear called twice in one forward, …):
+  differentiated directly, with ``vmap`` over examples of ``vjp`` of the single-example function
+  ``θ ↦ f(x_b[None])[0]`` and ``vmap`` over the C cotangents of its pullback ([B, C, *shape]).
 
-Both run in a single ``vmap(vjp)`` over examples (outer) and cotangents (inner) of the single-example
-function ``θ ↦ f(x_b[None])[0]``, through ``torch.func.functional_call``. The model must treat
-examples independently (BatchNorm in eval mode, dropout off): :func:`eval_mode` arranges that.
+The model must treat examples independently (BatchNorm on running statistics, dropout off):
+:func:`eval_mode` arranges that.
 """
 
 from __future__ import annotations
@@ -369,7 +371,7 @@ def backprop(
 
         # 2) tapped layers: batched vjp with respect to zero taps added to the layer outputs.
         if tapped:
-            tap0 = {l.index: x.new_zeros(taps.out_shapes[l.index]) for l in tapped}
+            tap0 = {l.index: logits.new_zeros(taps.out_shapes[l.index]) for l in tapped}
 
             def batched(tp: dict[int, Tensor]) -> Tensor:
                 taps.mode, taps.taps = "tap", tp
