@@ -9,10 +9,16 @@ Run (real MNIST under ``--data-dir``; CPU):
 
 Each (benchmark, scenario, method, seed) run reads ``configs/<benchmark>/<method>.yaml``, runs the one
 training loop, and stores its StreamResult under ``--runs-dir`` (default ``benchmarks/runs/``, not
-committed). Finished runs are skipped when the command is repeated (resumable). The summary goes to
-``benchmarks/results/<benchmark>[_<scenario>][_quick].md``: final average accuracy mean ± std over
-seeds, the number of seeds, scenario, memory size, wall time per run and the published reference
-number beside ours; plus ``..._curves.png``, the average accuracy after each task per method.
+committed). Finished runs are skipped when the command is repeated (resumable), and every run is
+written as soon as it finishes, so an interrupted command loses at most the run in progress.
+
+The summary goes to ``benchmarks/results/<benchmark>[_<scenario>][_quick].md``: final average accuracy
+mean ± std over seeds, the number of seeds, scenario, memory size, wall time per run and the
+published reference number beside ours; plus ``..._curves.png``, the average accuracy after each task
+per method. The table covers every finished run of that (benchmark, scenario, mode) in the runs
+folder, not only this command's, so methods run by separate commands end up in one table; the
+commands that produced the runs are listed. Text below the ``<!-- notes -->`` line of an existing
+report (the hand-written closing note) is kept when the report is rewritten.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -38,6 +45,11 @@ REFERENCES: dict[tuple[str, str, str], tuple[float, str]] = {
     ("permuted_mnist", "domain", "vcl"): (92.7, "VCL with coreset, 10 tasks (others' run)"),
     ("split_cifar", "task", "fromp"): (76.2, "FROMP paper / reference code README"),
 }
+# Canonical row order of the tables; methods not listed follow in alphabetical order.
+METHOD_ORDER = ["fromp", "frorp", "fromp-l2", "fromp-full", "fromp-kron", "ewc", "laplace", "vcl", "blr", "ivon",
+                "l2", "none", "joint"]
+NOTES_MARKER = "<!-- notes -->"
+
 HIGHER_ANCHORS: dict[tuple[str, str], tuple[float, str]] = {
     ("split_mnist", "task"): (99.54, "S-FSVI"),
     ("permuted_mnist", "domain"): (95.76, "S-FSVI"),
@@ -51,10 +63,11 @@ def _load_config(benchmark: str, method: str, args: argparse.Namespace):
 
     from continual_blr.config import RunConfig, from_dict
 
-    path = ROOT / "configs" / benchmark / f"{method}.yaml"
+    folder = Path(args.configs_dir) / benchmark
+    path = folder / f"{method}.yaml"
     if not path.is_file():
-        available = sorted(p.stem for p in (ROOT / "configs" / benchmark).glob("*.yaml"))
-        raise SystemExit(f"reproduce: no config {path.relative_to(ROOT)}; available for {benchmark}: {', '.join(available)}")
+        available = sorted(p.stem for p in folder.glob("*.yaml"))
+        raise SystemExit(f"reproduce: no config {path}; available for {benchmark}: {', '.join(available) or 'none'}")
     cfg = from_dict(RunConfig, yaml.safe_load(path.read_text()) or {})
     if args.scenario:
         cfg.stream.scenario = args.scenario
@@ -74,38 +87,84 @@ def _memory_size(cfg) -> str:
     return "-"
 
 
-def run_one(benchmark: str, method: str, seed: int, args: argparse.Namespace, runs_dir: Path) -> dict:
+def _runs_folder(runs_dir: Path, benchmark: str, scenario: str, quick: bool) -> Path:
+    return runs_dir / benchmark / scenario / ("quick" if quick else "full")
+
+
+def run_one(benchmark: str, method: str, seed: int, args: argparse.Namespace, runs_dir: Path, command: str = "") -> dict:
     """Run (or reload) one (method, seed); returns the stored record."""
     cfg = _load_config(benchmark, method, args)
     cfg.seed = seed
     scenario = cfg.stream.scenario or "default"
-    path = runs_dir / benchmark / scenario / ("quick" if args.quick else "full") / f"{method}_seed{seed}.json"
+    path = _runs_folder(runs_dir, benchmark, scenario, args.quick) / f"{method}_seed{seed}.json"
     if path.is_file() and not args.force:
         return json.loads(path.read_text())
+    import torch
+
     from continual_blr.runner import run_config
 
     cfg.out = str(path.parent / f"{method}_seed{seed}")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     t0 = time.perf_counter()
     result = run_config(cfg, save=False)[0]
-    record = result.to_dict() | {"wall_s": time.perf_counter() - t0, "memory": _memory_size(cfg), "quick": args.quick}
+    record = result.to_dict() | {"wall_s": time.perf_counter() - t0, "memory": _memory_size(cfg), "quick": args.quick,
+                                 "method_name": method, "command": command, "load_at_start": load,
+                                 "threads": torch.get_num_threads()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2))
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=2))
+    tmp.replace(path)  # atomic: a killed run never leaves a half-written record behind
     return record
+
+
+def collect_records(runs_dir: Path, benchmark: str, scenario: str, quick: bool) -> dict[str, list[dict]]:
+    """Every finished run stored for (benchmark, scenario, mode), by method, seeds ascending."""
+    found: dict[str, list[dict]] = {}
+    folder = _runs_folder(runs_dir, benchmark, scenario, quick)
+    for p in sorted(folder.glob("*_seed*.json")):
+        method, _, _ = p.stem.rpartition("_seed")
+        found.setdefault(method, []).append(json.loads(p.read_text()))
+    for recs in found.values():
+        recs.sort(key=lambda r: r["seed"])
+    order = {m: i for i, m in enumerate(METHOD_ORDER)}
+    return dict(sorted(found.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])))
 
 
 def _mean_std(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
-def write_report(benchmark: str, scenario: str, records: dict[str, list[dict]], args: argparse.Namespace, command: str) -> Path:
+def report_path(results_dir: Path, benchmark: str, scenario: str, quick: bool) -> Path:
+    """``<results_dir>/<benchmark>[_<scenario>][_quick].md`` (the benchmark's default scenario has no suffix)."""
+    suffix = ("" if scenario in ("task", "domain", "default") else f"_{scenario}") + ("_quick" if quick else "")
+    return results_dir / f"{benchmark}{suffix}.md"
+
+
+def _verdict(mean: float, std: float, ref: float) -> str:
+    if mean >= ref:
+        return f"{mean - ref:+.2f} (meets)"
+    if mean + std >= ref:
+        return f"{mean - ref:+.2f} (within 1 std)"
+    return f"{mean - ref:+.2f} (**short**)"
+
+
+def write_report(benchmark: str, scenario: str, records: dict[str, list[dict]], args: argparse.Namespace,
+                 command: str, results_dir: Path | None = None) -> Path:
     from continual_blr.plots import plot_average_accuracy
 
-    suffix = ("" if scenario in ("task", "domain", "default") else f"_{scenario}") + ("_quick" if args.quick else "")
-    out = ROOT / "benchmarks" / "results" / f"{benchmark}{suffix}.md"
+    out = report_path(Path(results_dir or args.results_dir), benchmark, scenario, args.quick)
     out.parent.mkdir(parents=True, exist_ok=True)
-    lines = [f"# {benchmark} ({scenario}-incremental){' — QUICK MODE (epochs / 5), not comparable to published numbers' if args.quick else ''}", ""]
-    lines += ["Produced by:", "", "```", command, "```", ""]
-    lines += ["| method | final avg acc (%) | seeds | scenario | memory | wall / run (s) | forgetting (%) | published | ours − published |",
+    notes = ""
+    if out.is_file() and NOTES_MARKER in out.read_text():
+        notes = out.read_text().split(NOTES_MARKER, 1)[1].strip("\n")
+    quick = " — QUICK MODE (epochs / 5), not comparable to published numbers" if args.quick else ""
+    lines = [f"# {benchmark} ({scenario}-incremental){quick}", ""]
+    if args.quick:
+        lines += ["**QUICK MODE**: every method trained for epochs // 5 per task (a CPU smoke run); the numbers",
+                  "below are not the protocol's and must not be compared with the published ones.", ""]
+    commands = sorted({r.get("command") or command for recs in records.values() for r in recs})
+    lines += ["Produced by (runs stored under `benchmarks/runs/`, resumable):", "", "```", *commands, "```", ""]
+    lines += ["| method | final avg acc (%) | seeds | scenario | memory / task | wall / run (s) | forgetting (%) | published | ours − published |",
               "|---|---|---|---|---|---|---|---|---|"]
     for method, recs in records.items():
         accs = [100 * r["avg_acc"] for r in recs]
@@ -114,9 +173,14 @@ def write_report(benchmark: str, scenario: str, records: dict[str, list[dict]], 
         wall, _ = _mean_std([r["wall_s"] for r in recs])
         ref = REFERENCES.get((benchmark, scenario, method))
         ref_s = f"{ref[0]:.2f} ({ref[1]})" if ref else "-"
-        diff = f"{m - ref[0]:+.2f}" if ref else "-"
-        lines.append(f"| {method} | {m:.2f} ± {s:.2f} | {len(recs)} | {scenario} | {recs[0].get('memory', '-')} | "
+        diff = _verdict(m, s, ref[0]) if ref else "-"
+        seeds = ",".join(str(r["seed"]) for r in recs)
+        lines.append(f"| {method} | {m:.2f} ± {s:.2f} | {len(recs)} ({seeds}) | {scenario} | {recs[0].get('memory', '-')} | "
                      f"{wall:.0f} | {fg:.2f} | {ref_s} | {diff} |")
+    loads = [r["load_at_start"] for recs in records.values() for r in recs if isinstance(r.get("load_at_start"), (int, float))]
+    if loads:
+        lines += ["", f"Wall times measured on a shared 2-core CPU (1-minute load average at run start "
+                  f"{min(loads):.1f}–{max(loads):.1f}); std over seeds is the sample std (0 with one seed)."]
     hi = HIGHER_ANCHORS.get((benchmark, scenario))
     if hi:
         lines += ["", f"Higher anchor on the same protocol: {hi[1]} {hi[0]:.2f}."]
@@ -129,6 +193,7 @@ def write_report(benchmark: str, scenario: str, records: dict[str, list[dict]], 
             lines.append(" ".join("   -  " if v is None or (isinstance(v, float) and math.isnan(v)) else f"{100 * v:6.2f}" for v in row))
         lines.append("```")
         lines.append("")
+    lines += [NOTES_MARKER, notes or "", ""]
     out.write_text("\n".join(lines))
     curves = {m: [r["avg_acc_per_step"] for r in recs] for m, recs in records.items()}
     plot_average_accuracy(curves, out.with_name(out.stem + "_curves.png"), title=f"{benchmark} ({scenario})")
@@ -146,18 +211,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="epochs / 5; labelled QUICK in the outputs")
     parser.add_argument("--force", action="store_true", help="rerun finished runs")
     parser.add_argument("--runs-dir", default=str(ROOT / "benchmarks" / "runs"))
+    parser.add_argument("--configs-dir", default=str(ROOT / "configs"))
+    parser.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--only-this-command", action="store_true",
+                        help="report only this command's runs (default: every stored run of the benchmark)")
     args = parser.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     command = "python benchmarks/reproduce.py " + " ".join(sys.argv[1:] if argv is None else argv)
     runs_dir = Path(args.runs_dir)
     records: dict[str, list[dict]] = {}
     scenario = None
     jobs = [(m, s) for m in args.methods for s in args.seeds]
-    for method, seed in tqdm(jobs, desc=args.benchmark):
-        rec = run_one(args.benchmark, method, seed, args, runs_dir)
+    for method, seed in (bar := tqdm(jobs, desc=args.benchmark)):
+        bar.set_postfix_str(f"{method} seed {seed}")
+        rec = run_one(args.benchmark, method, seed, args, runs_dir, command)
         scenario = rec["scenario"]
         records.setdefault(method, []).append(rec)
         tqdm.write(f"{method} seed {seed}: avg acc {100 * rec['avg_acc']:.2f}%  ({rec['wall_s']:.0f} s)")
-    out = write_report(args.benchmark, scenario or "task", records, args, command)
+        # rewrite the report after every run: an interrupted command still leaves a current table
+        stored = records if args.only_this_command else collect_records(runs_dir, args.benchmark, scenario, args.quick)
+        out = write_report(args.benchmark, scenario, stored, args, command)
     print(out.read_text())
     print(f"wrote {out}")
     return 0
