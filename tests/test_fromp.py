@@ -161,6 +161,32 @@ def test_full_kernel_is_the_pseudo_inverse_of_the_all_class_kernel(gen):
     torch.testing.assert_close(pen, expect, rtol=1e-7, atol=1e-10)
 
 
+def test_full_kernel_on_a_class_incremental_tasks_columns(gen):
+    """classes="task": the compared columns do not sum to one, so all of them enter the full kernel."""
+    stream, tasks = _stream("class")
+    model = _model(stream)
+    reg = FunctionalRegularizer(tau=TAU, n_points=6, kernel="full", prior_precision=DELTA, jitter=EPS,
+                                classes="task", class_incremental=True)
+    fisher = _run_boundaries(reg, model, tasks, gen)
+    sigma = torch.diag(1.0 / (fisher + DELTA))
+    kinvs, p_olds = [], []
+    for entry, task in zip(reg.memory, tasks):
+        cols = list(task.classes)
+        k = O.kernel(_oracle_jp(model, entry, cols), sigma, blockwise=False) + EPS * torch.eye(6 * len(cols), dtype=DT)
+        torch.testing.assert_close(entry.extras["kernel"], k, **EXACT)
+        kinvs.append(torch.linalg.inv(k))
+        with torch.no_grad():
+            p_olds.append(_probs(model, entry.x, entry.head, cols))
+    _perturb(model, gen, 0.2)
+    pen, _ = _penalty_and_grad(reg, model, tasks[-1])
+    expect = 0.0
+    for entry, task, kinv, p_old in zip(reg.memory, tasks, kinvs, p_olds):
+        with torch.no_grad():
+            d = (_probs(model, entry.x, entry.head, list(task.classes)) - p_old).reshape(-1)
+        expect = expect + 0.5 * TAU * d @ kinv @ d
+    torch.testing.assert_close(pen, expect, rtol=1e-7, atol=1e-10)
+
+
 def test_kron_kernel_equals_dense_damped_kfac_sigma(gen):
     stream, tasks = _stream("task")
     model = _model(stream)

@@ -296,7 +296,8 @@ class FunctionalRegularizer:
                 start = sl.stop
                 cols = None if e.columns is None else torch.tensor(e.columns, device=device)
                 kinv = e.extras.get("kinv")
-                parts.append((sl, cols, self._drop_last(e), e.extras["p_old"].to(device=device, dtype=dtype),
+                mode = "identity" if kinv is None else ("full" if self.kernel == "full" else "classwise")
+                parts.append((sl, cols, mode, self._drop_last(e), e.extras["p_old"].to(device=device, dtype=dtype),
                               None if kinv is None else kinv.to(device=device, dtype=dtype)))
             groups.append((head, torch.cat(xs), parts))
         return groups
@@ -312,13 +313,13 @@ class FunctionalRegularizer:
         total = zero
         for head, x, parts in self._groups:
             p = torch.softmax(forward(model, x, head, params), dim=-1)
-            for sl, cols, drop_last, p_old, kinv in parts:
+            for sl, cols, mode, drop_last, p_old, kinv in parts:
                 pe = p[sl] if cols is None else p[sl].index_select(1, cols)
                 d = pe - p_old  # [M, C]
-                if kinv is None:  # FROMP-L2
+                if mode == "identity":  # FROMP-L2
                     total = total + (d * d).sum()
-                elif drop_last:  # full kernel over the first C−1 outputs, index m·(C−1) + c
-                    v = d[:, :-1].reshape(-1)
+                elif mode == "full":  # one kernel over (point, output), index m·C' + c (C' = C − 1 if dropped)
+                    v = (d[:, :-1] if drop_last else d).reshape(-1)
                     total = total + v @ (kinv @ v)
                 else:  # one kernel per class: Σ_c d_cᵀ K_c⁻¹ d_c
                     dt = d.T.unsqueeze(-1)  # [C, M, 1]
