@@ -12,8 +12,13 @@ from typing import Any
 
 from .base import Method, TrainConfig, make_torch_optimizer
 from .blr import BLRMethod, BLRParams
+from .ewc import EWCMethod, EWCParams
 from .fromp import FROMPFullParams, FROMPKronParams, FROMPL2Params, FROMPMethod, FROMPParams, FRORPParams
+from .ivon import IVONMethod, IVONParams
 from .joint import JointMethod
+from .l2 import L2Method, L2Params
+from .laplace import LaplaceMethod, LaplaceParams
+from .vcl import VCLMethod, VCLParams
 
 __all__ = ["Method", "TrainConfig", "METHODS", "build_method", "make_torch_optimizer", "register"]
 
@@ -21,6 +26,11 @@ METHODS: dict[str, tuple[type[Method], type | None]] = {
     "none": (Method, None),
     "joint": (JointMethod, None),
     "blr": (BLRMethod, BLRParams),
+    "ewc": (EWCMethod, EWCParams),
+    "laplace": (LaplaceMethod, LaplaceParams),
+    "l2": (L2Method, L2Params),
+    "vcl": (VCLMethod, VCLParams),
+    "ivon": (IVONMethod, IVONParams),
     "fromp": (FROMPMethod, FROMPParams),
     "frorp": (FROMPMethod, FRORPParams),
     "fromp-l2": (FROMPMethod, FROMPL2Params),

@@ -56,7 +56,7 @@ def blr_precision_update(post: GaussianPosterior, prior: GaussianPosterior, h: o
     ``h`` is a ParamDict (diag), a dense matrix (full), or for Kronecker a pair
     ``(blocks, diag)`` with ``blocks[w] = (A, G)`` and a ParamDict for non-layer parameters.
     The Kronecker result is projected onto one Kronecker term per layer (nearest Kronecker product);
-    the prior's isotropic δ is kept exactly.
+    the isotropic parts are exact: δ ← (1 − ρ) δ + ρ δ₀.
     """
     if isinstance(post, DiagPosterior):
         assert isinstance(prior, DiagPosterior)
@@ -75,9 +75,13 @@ def blr_precision_update(post: GaussianPosterior, prior: GaussianPosterior, h: o
             if w in h_blocks:
                 a, g = h_blocks[w]
                 parts.append((rho * a, g))
+            # a zero term (e.g. a head no example used) adds nothing; with only zero terms the
+            # nearest-Kronecker normalisation would divide 0 by 0
+            parts = [(a, g) for a, g in parts if bool(a.abs().amax() > 0) and bool(g.abs().amax() > 0)]
             blocks.append((w, b, [nearest_kronecker(parts)] if parts else []))
         diag = {k: (1 - rho) * v + rho * (h_diag.get(k, 0.0) + prior.diag[k]) for k, v in post.diag.items()}
-        return KronPosterior(post.mean, blocks, diag, prior.delta)
+        # the isotropic parts follow the same recursion: δ ← (1 − ρ) δ + ρ δ₀ (δ = δ₀ stays exact)
+        return KronPosterior(post.mean, blocks, diag, (1 - rho) * post.delta + rho * prior.delta)
     raise TypeError(f"unsupported posterior type {type(post).__name__}")
 
 
@@ -94,11 +98,14 @@ def _kron_from_per_example_grads(g: Tensor, iters: int = 6) -> tuple[Tensor, Ten
     A ← Σ_i g_iᵀ G g_i / ‖G‖², G ← Σ_i g_i A g_iᵀ / ‖A‖².
     """
     d_out, d_in = g.shape[1], g.shape[2]
+    tiny = torch.finfo(g.dtype).tiny  # a float32-safe floor (1e-300 underflows to 0 there: 0/0 = NaN)
+    flat_in = g.reshape(-1, d_in)  # [B·d_out, d_in]
     gm = torch.eye(d_out, dtype=g.dtype, device=g.device)
-    a = torch.einsum("boi,op,bpj->ij", g, gm, g) / (gm * gm).sum()
+    a = flat_in.T @ flat_in / d_out  # Σ_i g_iᵀ I g_i / ‖I‖²
     for _ in range(iters):
-        gm = torch.einsum("boi,ij,bpj->op", g, a, g) / (a * a).sum().clamp_min(1e-300)
-        a = torch.einsum("boi,op,bpj->ij", g, gm, g) / (gm * gm).sum().clamp_min(1e-300)
+        # two-operand contractions (plain matrix products) instead of a three-operand einsum
+        gm = torch.einsum("boj,bpj->op", g @ a, g) / (a * a).sum().clamp_min(tiny)
+        a = torch.einsum("bpi,bpj->ij", gm @ g, g) / (gm * gm).sum().clamp_min(tiny)
     return a, gm
 
 
