@@ -257,6 +257,21 @@ def _restrict(post: GaussianPosterior, names: list[str]) -> GaussianPosterior:
     raise TypeError(f"unsupported posterior type {type(post).__name__}")
 
 
+def _lower_delta(post: KronPosterior, delta: float) -> KronPosterior:
+    """The same Gaussian with its isotropic part lowered to ``delta``: the excess (δ − delta) I becomes one
+    more Kronecker term (c I ⊗ I) per block and is added to the diagonal part."""
+    c = post.delta - delta
+    if c == 0:
+        return post
+    blocks = []
+    for w, b, terms in post.blocks:
+        m = post.mean[w]
+        d_out, d_in = m.shape[0], m[0].numel() + (b is not None)
+        eye_in = c * torch.eye(d_in, dtype=m.dtype, device=m.device)
+        blocks.append((w, b, [*terms, (eye_in, torch.eye(d_out, dtype=m.dtype, device=m.device))]))
+    return KronPosterior(post.mean, blocks, {k: v + c for k, v in post.diag.items()}, delta)
+
+
 def _join(a: GaussianPosterior, b: GaussianPosterior) -> GaussianPosterior:
     """The product Gaussian over the disjoint parameters of ``a`` and ``b`` (block-diagonal precision)."""
     if set(a.mean) & set(b.mean):
@@ -265,9 +280,9 @@ def _join(a: GaussianPosterior, b: GaussianPosterior) -> GaussianPosterior:
     if isinstance(a, DiagPosterior) and isinstance(b, DiagPosterior):
         return DiagPosterior(mean, {**a.precision, **b.precision})
     if isinstance(a, KronPosterior) and isinstance(b, KronPosterior):
-        if a.delta != b.delta:
-            raise ValueError(f"_join: Kronecker posteriors with different isotropic δ ({a.delta} vs {b.delta})")
-        return KronPosterior(mean, a.blocks + b.blocks, {**a.diag, **b.diag}, a.delta)
+        delta = min(a.delta, b.delta)
+        a, b = _lower_delta(a, delta), _lower_delta(b, delta)
+        return KronPosterior(mean, a.blocks + b.blocks, {**a.diag, **b.diag}, delta)
     if isinstance(a, FullPosterior) and isinstance(b, FullPosterior):
         return FullPosterior(mean, torch.block_diag(a.precision, b.precision))
     raise TypeError(f"_join: cannot join {type(a).__name__} and {type(b).__name__}")
