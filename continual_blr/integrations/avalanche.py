@@ -218,7 +218,8 @@ def stream_to_benchmark(stream: TaskStream) -> Any:
 _ACC = re.compile(r"^Top1_Acc_Exp/eval_phase/test_stream/Task\d+/Exp(\d+)$")
 
 
-def accuracy_matrix(metrics_after_each_experience: list[dict[str, Any]], n_experiences: int | None = None) -> list[list[float]]:
+def accuracy_matrix(metrics_after_each_experience: list[dict[str, Any]],
+                    n_experiences: int | None = None) -> list[list[float]]:
     """R[i][j] (test accuracy on experience j after training experience i; NaN where j > i) from the
     dictionaries ``strategy.eval(...)`` returned after each training experience.
 
