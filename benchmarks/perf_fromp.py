@@ -13,7 +13,7 @@ uniform random pixels (speed does not depend on the data). For 1, 4 and 9 past t
   sequence as ``loop.fit_task``), median over ``--steps`` steps after warm-up;
 * one forward/backward of the cross-entropy over (batch + all memorable points) — the issue's yardstick:
   a FROMP step should cost at most 2× that;
-* the rebuild at a task start (old predictions, class-wise kernels, Cholesky factors, inverses for
+* the rebuild at a task start (old predictions, class-wise kernels and their Cholesky factors for
   every past task), median of ``--rebuilds`` after one warm-up;
 * (for information) the task-end pass: diagonal GGN over the task's training data + λ selection.
 
@@ -24,6 +24,7 @@ plain step ≈ 1.1 ms; FROMP step 0.40 / 1.9 / 3.5 s; rebuild 0.9 / 3.4 / 7.6 s)
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -144,7 +145,9 @@ def report(res: dict, steps: int, n_train: int) -> str:
         "",
         f"Measured by `python benchmarks/perf_fromp.py` with {torch.get_num_threads()} CPU threads, torch "
         f"{torch.__version__}, Python {platform.python_version()}, {platform.machine()}; medians over {steps} "
-        "steps. The machine is shared, so single figures can move by tens of per cent between runs.",
+        f"steps. The machine is shared (1-minute load average {res['load'][0]:.1f} at the start, "
+        f"{res['load'][1]:.1f} at the end, on 2 cores), so absolute times are inflated and move between runs;",
+        "the ratios within a row are measured under the same load.",
         "Reference: team-approx-bayes/fromp on 2 cores (shared/ANCHORS.md).",
         "",
         f"Plain Adam step (median of the rows): **{plain * 1e3:.2f} ms** (reference ≈ "
@@ -166,11 +169,12 @@ def report(res: dict, steps: int, n_train: int) -> str:
     lines += [
         "",
         "* FROMP step: zero_grad, mean CE + (τ/2) Σ Δpᵀ K⁻¹ Δp, backward, clip, Adam — one extra forward/backward",
-        "  over the memorable points; no Jacobian is formed in the step (K⁻¹ precomputed at the task start).",
+        "  over the memorable points; no Jacobian is formed in the step; Δpᵀ K⁻¹ Δp = ‖L⁻¹Δp‖² by one batched",
+        "  triangular solve with the Cholesky factors built at the task start.",
         "* × fwd/bwd(batch+mem): the step relative to one cross-entropy forward/backward over the minibatch and",
         "  all memorable points together (target ≤ 2).",
         "* Rebuild: old predictions, 10 class-wise kernels per past task J_p Σ J_pᵀ (curvature engine,",
-        "  diagonal Σ), float64 Cholesky and inverse; once per task boundary.",
+        "  diagonal Σ) and their float64 Cholesky factors; once per task boundary.",
         f"* Task end (diagonal GGN over the task's data + λ scoring and selection): "
         f"{res['task_end_per_10k']:.2f} s per 10,000 examples (measured on tasks of {n_train}); the",
         "  reference code's per-example GGN loop takes 60–72 s per split-MNIST task (~12,000 examples).",
@@ -181,14 +185,16 @@ def report(res: dict, steps: int, n_train: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=100, help="timed steps per setting (median)")
-    ap.add_argument("--rebuilds", type=int, default=3, help="timed rebuilds per setting (median)")
+    ap.add_argument("--rebuilds", type=int, default=2, help="timed rebuilds per setting (median)")
     ap.add_argument("--n-train", type=int, default=2000, help="examples per synthetic past task")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (the reference used 2 cores)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "perf_fromp.md"))
     ap.add_argument("--no-write", action="store_true", help="print only")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     res = run(args.steps, args.rebuilds, args.n_train)
+    res["load"] = (load0, os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan"))
     text = report(res, args.steps, args.n_train)
     print(text)
     if not args.no_write:

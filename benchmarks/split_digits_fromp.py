@@ -124,7 +124,9 @@ def report(records: dict[tuple[str, str], list[dict]], seeds: list[int], wall: f
         lines.append(f"| {label} | {' | '.join(cells)} | {src} | {statistics.fmean(walls):.1f} |")
     lines += [
         "",
-        f"Total wall time of this invocation: {wall:.0f} s (shared 2-core CPU, 1 torch thread; reused runs cost 0).",
+        f"Sum of the {sum(len(v) for v in records.values())} runs' wall times: "
+        f"{sum(r['wall_s'] for v in records.values() for r in v):.0f} s (shared 2-core CPU under other jobs' load, "
+        f"1 torch thread); this invocation took {wall:.0f} s (stored runs are reused).",
         "",
         "FROMP: τ = 10, 40 memorable points per task (20 per class, top tr Λ), δ = 1e-3, ε = 1e-6 (the reference",
         "code's split-MNIST values, not tuned here). FRORP: random points. FROMP-L2: K = I. fromp-full: full",

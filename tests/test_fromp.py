@@ -97,7 +97,9 @@ def test_classwise_kernels_and_old_predictions_equal_brute_force(gen, scenario, 
         jp = _oracle_jp(model, entry, cols)
         expect = O.kernel(jp, sigma, blockwise=True) + EPS * torch.eye(len(entry), dtype=DT)
         torch.testing.assert_close(entry.extras["kernel"], expect, **EXACT)
-        torch.testing.assert_close(entry.extras["kinv"], torch.linalg.inv(expect), rtol=1e-7, atol=1e-9)
+        chol = entry.extras["chol"]
+        torch.testing.assert_close(chol @ chol.mT, expect, **EXACT)
+        assert torch.equal(chol, torch.tril(chol))
         with torch.no_grad():
             torch.testing.assert_close(entry.extras["p_old"], _probs(model, entry.x, entry.head, cols), **EXACT)
 
@@ -321,7 +323,7 @@ def test_registry_names_params_and_errors():
 def test_methods_run_through_the_loop(name):
     stream = make_stream("synthetic", scenario="task", n_tasks=3, n_features=6, n_train=40, n_test=20, seed=1)
     runs = []
-    for _ in range(2):
+    for _ in range(2 if name == "frorp" else 1):
         model = build_model("mlp", stream.input_shape, stream.n_outputs, stream.n_heads, hidden=(8,),
                             generator=torch.Generator().manual_seed(0))
         method = build_method(name, {"n_points": 4, "tau": 1.0}, seed=3)
@@ -331,6 +333,6 @@ def test_methods_run_through_the_loop(name):
     res, method = runs[0]
     assert len(res.acc_matrix) == 3 and all(0.0 <= v <= 1.0 for v in res.acc_matrix[-1])
     assert [e.task_id for e in method.regularizer.memory] == [0, 1, 2]
-    # the random selection (FRORP) is seeded by the method's seed
-    assert all(torch.equal(a.indices, b.indices) for a, b in zip(runs[0][1].regularizer.memory,
-                                                                 runs[1][1].regularizer.memory)) or name != "frorp"
+    if name == "frorp":  # the random selection is seeded by the method's seed
+        assert all(torch.equal(a.indices, b.indices) for a, b in zip(runs[0][1].regularizer.memory,
+                                                                     runs[1][1].regularizer.memory))

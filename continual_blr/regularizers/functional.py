@@ -17,7 +17,7 @@ Protocol (the reference code ``team-approx-bayes/fromp``; ``shared/ANCHORS.md``)
 * at the **start** of each task, with the current weights and the model in eval mode: the old
   predictions p(X_s; θ_{t−1}) and one kernel per (past task, class) K_{s,c} = J_{p_c} Σ J_{p_c}ᵀ + εI
   from the Jacobians of the softmax probabilities (cross-class terms dropped); their Cholesky factors
-  and inverses are computed there once (in float64);
+  are computed there once (in float64);
 * the memorable points of task s are evaluated on task s's head (multi-head). On the single head of a
   class-incremental stream the comparison covers only task s's classes (``classes="task"``, the
   default; the probabilities are still the softmax over the whole head, restricted to those columns)
@@ -48,7 +48,7 @@ Selection (``selection=``): ``"lambda"`` (FROMP: top tr Λ per class), ``"random
 ``"lowest"`` (ablation) — see :mod:`continual_blr.memory`.
 
 Speed: a training step runs one forward (and, through autograd, one backward) over the memorable
-points of each distinct head, then Σ_c Δp_cᵀ K_c⁻¹ Δp_c with the precomputed K⁻¹ — no Jacobian of the
+points of each distinct head, then Σ_c ‖L_c⁻¹ Δp_c‖² with the precomputed Cholesky factors — no Jacobian of the
 memorable points is formed in the step; the gradient Σ_c J_{p_c}ᵀ K_c⁻¹ Δp_c (times τ) is the
 vector-Jacobian product autograd computes. That makes the regulariser a plain loss term: it composes
 with any optimiser (Adam, SGD, the BLR optimisers through ``penalty(..., params=...)``, IVON).
@@ -92,8 +92,8 @@ def _prob_fn(columns: tuple[int, ...] | None, drop_last: bool):
     return fn
 
 
-def _cholesky_inverse(k: Tensor, jitter: float) -> tuple[Tensor, Tensor, Tensor, float]:
-    """(K + εI, L, (K + εI)⁻¹, ε used) for a [.., n, n] symmetric K, factorised in float64."""
+def _cholesky(k: Tensor, jitter: float) -> tuple[Tensor, Tensor, float]:
+    """(K + εI, its lower Cholesky factor L, ε used) for a [.., n, n] symmetric K, factorised in float64."""
     k64 = k.to(torch.float64)
     k64 = 0.5 * (k64 + k64.mT)
     eye = torch.eye(k64.shape[-1], dtype=torch.float64, device=k64.device)
@@ -104,7 +104,7 @@ def _cholesky_inverse(k: Tensor, jitter: float) -> tuple[Tensor, Tensor, Tensor,
         if not bool((info > 0).any()):
             if eps != jitter:
                 warnings.warn(f"FROMP kernel not positive definite with jitter {jitter:g}; used {eps:g}", stacklevel=3)
-            return kj, chol, torch.cholesky_inverse(chol), eps
+            return kj, chol, eps
         eps = max(eps * 10.0, 1e-12)
     raise RuntimeError(f"FROMP kernel is not positive definite even with jitter {eps / 10:g}; check the model "
                        "outputs and prior_precision")
@@ -255,7 +255,7 @@ class FunctionalRegularizer:
         self.rebuild(model)
 
     def rebuild(self, model: nn.Module) -> None:
-        """For every stored task: p_old = p(X_s; θ), K_{s,c} + εI, its Cholesky factor and inverse."""
+        """For every stored task: p_old = p(X_s; θ), K_{s,c} + εI and its Cholesky factor."""
         if not len(self.memory):
             return
         ref = next(p for p in model.parameters())
@@ -270,8 +270,8 @@ class FunctionalRegularizer:
             if sigma is not None:
                 k = kernel(model, x, sigma, head=e.head, output_fn=_prob_fn(e.columns, self._drop_last(e)),
                            blockwise=self.kernel != "full", chunk_size=self.chunk_size)
-                kj, chol, kinv, eps = _cholesky_inverse(k.detach(), self.jitter)
-                e.extras.update(kernel=kj.to(ref.dtype), chol=chol.to(ref.dtype), kinv=kinv.to(ref.dtype),
+                kj, chol, eps = _cholesky(k.detach(), self.jitter)
+                e.extras.update(kernel=kj.to(ref.dtype), chol=chol.to(ref.dtype),
                                 jitter=torch.tensor(eps, dtype=torch.float64))
             entries.append(e)
         self.memory.entries = entries
@@ -280,30 +280,38 @@ class FunctionalRegularizer:
     # ----------------------------------------------------------------------------------- penalty
 
     def _build_groups(self, device: torch.device, dtype: torch.dtype) -> list:
-        """Memorable points grouped by head: one forward per head and step."""
-        by_head: dict[int, list[MemoryEntry]] = {}
+        """Memorable points grouped by head (one forward per head and step); within a head, tasks with the
+        same number of points and compared columns are stacked so that one batched triangular solve
+        serves them all."""
+        by_head: dict[int, dict[tuple, list[MemoryEntry]]] = {}
         for e in self.memory:
             if "p_old" not in e.extras:
                 raise RuntimeError("FROMP: kernels and old predictions are not built; call on_task_start (or "
                                    "rebuild) after on_task_end / load_state_dict")
-            by_head.setdefault(e.head, []).append(e)
+            key = (len(e), e.extras["p_old"].shape[1], e.columns is None)
+            by_head.setdefault(e.head, {}).setdefault(key, []).append(e)
+        mode = "identity" if self.kernel == "identity" else ("full" if self.kernel == "full" else "classwise")
         groups = []
-        for head, es in by_head.items():
-            xs = [e.x.to(device=device, dtype=dtype if e.x.is_floating_point() else None) for e in es]
-            parts, start = [], 0
-            for e, x in zip(es, xs):
-                sl = slice(start, start + x.shape[0])
-                start = sl.stop
-                cols = None if e.columns is None else torch.tensor(e.columns, device=device)
-                kinv = e.extras.get("kinv")
-                mode = "identity" if kinv is None else ("full" if self.kernel == "full" else "classwise")
-                parts.append((sl, cols, mode, self._drop_last(e), e.extras["p_old"].to(device=device, dtype=dtype),
-                              None if kinv is None else kinv.to(device=device, dtype=dtype)))
+        for head, buckets in by_head.items():
+            xs, parts, start = [], [], 0
+            for (m, _, no_cols), es in buckets.items():
+                n = len(es) * m
+                xs += [e.x.to(device=device, dtype=dtype if e.x.is_floating_point() else None) for e in es]
+                cols = None if no_cols else torch.tensor([list(e.columns) for e in es], device=device)  # [E, C]
+                p_old = torch.stack([e.extras["p_old"] for e in es]).to(device=device, dtype=dtype)  # [E, M, C]
+                chol = (None if mode == "identity"
+                        else torch.stack([e.extras["chol"] for e in es]).to(device=device, dtype=dtype))
+                parts.append((slice(start, start + n), len(es), m, cols, self._drop_last(es[0]), p_old, chol))
+                start += n
             groups.append((head, torch.cat(xs), parts))
         return groups
 
     def penalty(self, model: nn.Module, batch: Batch, task: Task, params: ParamDict | None = None) -> Tensor:
-        """(τ/2) Σ_s Σ_c Δp_{s,c}ᵀ K_{s,c}⁻¹ Δp_{s,c} at the model's parameters (or at ``params``)."""
+        """(τ/2) Σ_s Σ_c Δp_{s,c}ᵀ K_{s,c}⁻¹ Δp_{s,c} at the model's parameters (or at ``params``).
+
+        Δpᵀ K⁻¹ Δp = ‖L⁻¹ Δp‖² with the Cholesky factor L of K + εI: one batched triangular solve per group of
+        tasks (it reads only L's triangle, half the memory traffic of a product with K⁻¹, forward and backward).
+        """
         ref = next(iter(params.values())) if params else next(p for p in model.parameters())
         zero = torch.zeros((), device=ref.device, dtype=ref.dtype)
         if self.tau == 0.0 or not len(self.memory):
@@ -313,17 +321,20 @@ class FunctionalRegularizer:
         total = zero
         for head, x, parts in self._groups:
             p = torch.softmax(forward(model, x, head, params), dim=-1)
-            for sl, cols, mode, drop_last, p_old, kinv in parts:
-                pe = p[sl] if cols is None else p[sl].index_select(1, cols)
-                d = pe - p_old  # [M, C]
-                if mode == "identity":  # FROMP-L2
+            for sl, n_tasks, m, cols, drop_last, p_old, chol in parts:
+                pe = p[sl].reshape(n_tasks, m, -1)
+                if cols is not None:
+                    pe = torch.gather(pe, 2, cols.unsqueeze(1).expand(n_tasks, m, cols.shape[1]))
+                d = pe - p_old  # [E, M, C]
+                if chol is None:  # FROMP-L2
                     total = total + (d * d).sum()
-                elif mode == "full":  # one kernel over (point, output), index m·C' + c (C' = C − 1 if dropped)
-                    v = (d[:, :-1] if drop_last else d).reshape(-1)
-                    total = total + v @ (kinv @ v)
-                else:  # one kernel per class: Σ_c d_cᵀ K_c⁻¹ d_c
-                    dt = d.T.unsqueeze(-1)  # [C, M, 1]
-                    total = total + (dt * (kinv @ dt)).sum()
+                    continue
+                if self.kernel == "full":  # one kernel over (point, output), index m·C' + c (C' = C − 1 if dropped)
+                    rhs = (d[..., :-1] if drop_last else d).reshape(n_tasks, -1, 1)
+                else:  # one kernel per class
+                    rhs = d.transpose(1, 2).unsqueeze(-1)  # [E, C, M, 1]
+                z = torch.linalg.solve_triangular(chol, rhs, upper=False)
+                total = total + (z * z).sum()
         return 0.5 * self.tau * total
 
     # ------------------------------------------------------------------------------ state_dict
