@@ -225,6 +225,56 @@ def test_kron_kernel_equals_dense_damped_kfac_sigma(gen):
         torch.testing.assert_close(entry.extras["kernel"], expect, rtol=1e-7, atol=1e-10)
 
 
+def _grown_output_layer(layer, extra):
+    new = torch.nn.Linear(layer.in_features, layer.out_features + extra).to(DT)
+    with torch.no_grad():
+        new.weight[: layer.out_features] = layer.weight
+        new.bias[: layer.out_features] = layer.bias
+    return new
+
+
+@pytest.mark.parametrize("growth", ["new_head", "more_outputs"])
+def test_growing_model_gets_zero_past_curvature_for_new_parameters(gen, growth):
+    """A head added after a task (Avalanche's MultiHeadClassifier) or a head that gains output units
+    (IncrementalClassifier): the accumulated F is zero for the new entries, Σ = 1/δ there."""
+    stream, tasks = _stream("class", n_tasks=3, k=2)  # classes (0,1), (2,3), (4,5)
+    model = build_model("mlp", (4,), 2, 1, hidden=(5,), generator=torch.Generator().manual_seed(0)).to(DT)
+    reg = FunctionalRegularizer(tau=TAU, n_points=4, prior_precision=DELTA, jitter=EPS, classes="task",
+                                class_incremental=True)
+    t0, t1 = tasks[0], tasks[1]
+    if growth == "new_head":  # task 0 on head 0 with labels 0/1, task 1 on a head added afterwards
+        t0 = type(t0)(0, t0.x_train, t0.y_train, t0.x_test, t0.y_test, (0, 1), head=0)
+        t1 = type(t1)(1, t1.x_train, t1.y_train - 2, t1.x_test, t1.y_test - 2, (0, 1), head=1)
+        reg.class_incremental = False
+    _perturb(model, gen)
+    reg.on_task_end(model, t0)
+    f0 = {n: t.clone() for n, t in zip(params_of(model), torch.diagonal(O.ggn(model, t0.x_train, head=0))
+                                         .split([p.numel() for p in params_of(model).values()]))}
+    if growth == "new_head":
+        model.heads.append(_grown_output_layer(model.heads[0], 0))
+    else:
+        model.heads[0] = _grown_output_layer(model.heads[0], 2)
+    _perturb(model, gen)
+    reg.on_task_end(model, t1)
+    fisher = torch.diagonal(O.ggn(model, t1.x_train, head=t1.head)).clone()
+    _perturb(model, gen)
+    reg.on_task_start(model, tasks[2])
+    offset = 0
+    for n, p in params_of(model).items():
+        if n in f0:
+            old = f0[n].reshape(-1 if p.dim() == 1 else f0[n].numel() // p.shape[1], *p.shape[1:])
+            padded = torch.zeros_like(p)
+            padded[tuple(slice(0, s) for s in old.shape)] = old
+            fisher[offset: offset + p.numel()] += padded.reshape(-1)
+        offset += p.numel()
+    sigma = torch.diag(1.0 / (fisher + DELTA))
+    for entry in reg.memory:
+        cols = _columns(entry)
+        expect = O.kernel(_oracle_jp(model, entry, cols), sigma, blockwise=True) + EPS * torch.eye(len(entry), dtype=DT)
+        torch.testing.assert_close(entry.extras["kernel"], expect, **EXACT)
+    _penalty_and_grad(reg, model, tasks[2])  # the step runs on the grown model
+
+
 def test_fromp_l2_is_half_tau_squared_distance(gen):
     stream, tasks = _stream("task")
     model = _model(stream)

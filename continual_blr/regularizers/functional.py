@@ -69,7 +69,7 @@ from torch import Tensor, nn
 from ..curvature import curvature, eval_mode, kernel
 from ..data.stream import Task
 from ..memory import SELECTIONS, MemoryEntry, MemoryStore, forward, select_memorable
-from ..types import Batch, KronBlock, KronCurvature, ParamDict
+from ..types import Batch, KronBlock, KronCurvature, ParamDict, params_of
 
 __all__ = ["FunctionalRegularizer", "KERNELS", "CLASS_CHOICES"]
 
@@ -108,6 +108,22 @@ def _cholesky(k: Tensor, jitter: float) -> tuple[Tensor, Tensor, float]:
         eps = max(eps * 10.0, 1e-12)
     raise RuntimeError(f"FROMP kernel is not positive definite even with jitter {eps / 10:g}; check the model "
                        "outputs and prior_precision")
+
+
+def _match(t: Tensor | None, like: Tensor) -> Tensor:
+    """An accumulated curvature entry shaped like the parameter ``like``: zeros where there is none (a head
+    added after those tasks), zero-padded at the end of each axis where the parameter has grown (output
+    units added by a growing classifier) — no past task's loss depended on the new entries."""
+    if t is None:
+        return torch.zeros_like(like)
+    if t.shape == like.shape:
+        return t
+    if t.dim() == like.dim() and all(a <= b for a, b in zip(t.shape, like.shape)):
+        out = torch.zeros_like(like)
+        out[tuple(slice(0, s) for s in t.shape)] = t
+        return out
+    raise ValueError(f"FROMP: accumulated curvature of shape {tuple(t.shape)} cannot be matched to a parameter of "
+                     f"shape {tuple(like.shape)} (a layer may only grow at the end of its axes)")
 
 
 class FunctionalRegularizer:
@@ -210,29 +226,31 @@ class FunctionalRegularizer:
         c = curvature(model, task.x_train, kind="ggn", structure=structure, head=task.head,
                       chunk_size=self.chunk_size)
         diag = c.diag if isinstance(c, KronCurvature) else c
-        if self.fisher is None:
-            self.fisher = {k: v.detach().clone() for k, v in diag.items()}
-        else:
-            for k, v in diag.items():
-                self.fisher[k] = self.fisher[k] + v
+        old = self.fisher or {}
+        self.fisher = {k: _match(old.get(k), v) + v.detach() for k, v in diag.items()}
         if isinstance(c, KronCurvature):
             n = task.n_train
             for blk in c.blocks:
                 used = bool(blk.A.abs().sum() > 0)  # an unused head's layer has zero factors
                 st = self.kron.setdefault(blk.weight, {"bias": blk.bias, "a_sum": torch.zeros_like(blk.A),
                                                        "n": 0, "g": torch.zeros_like(blk.G)})
+                if st["a_sum"].shape != blk.A.shape:
+                    raise ValueError(f"FROMP kron: the inputs of layer {blk.weight!r} changed size; only outputs may grow")
+                st["g"] = _match(st["g"], blk.G)
                 if used:
                     st["a_sum"] = st["a_sum"] + n * blk.A
                     st["n"] += n
                     st["g"] = st["g"] + blk.G
 
-    def sigma(self) -> ParamDict | KronCurvature:
-        """The weight covariance Σ the kernels use (ParamDict of variances, or Kronecker factors)."""
+    def sigma(self, model: nn.Module) -> ParamDict | KronCurvature:
+        """The weight covariance Σ the kernels use (ParamDict of variances, or Kronecker factors) over all the
+        model's trainable parameters; parameters no past task reached have the prior variance 1/δ."""
         if self.fisher is None:
             raise RuntimeError("sigma: no curvature accumulated yet (no task has ended)")
         delta = self.prior_precision
+        params = params_of(model)
         if self.kernel != "kron":
-            return {k: 1.0 / (f + delta) for k, f in self.fisher.items()}
+            return {k: 1.0 / (_match(self.fisher.get(k), p) + delta) for k, p in params.items()}
         blocks, in_blocks = [], set()
         sq = math.sqrt(delta)
         for w, st in self.kron.items():
@@ -247,7 +265,7 @@ class FunctionalRegularizer:
             g_cov = torch.linalg.inv(g64 + sq / pi * ig).to(g.dtype)
             blocks.append(KronBlock(w, st["bias"], 0.5 * (a_cov + a_cov.T), 0.5 * (g_cov + g_cov.T)))
             in_blocks.update([w, st["bias"]])
-        diag = {k: 1.0 / (f + delta) for k, f in self.fisher.items() if k not in in_blocks}
+        diag = {k: 1.0 / (_match(self.fisher.get(k), p) + delta) for k, p in params.items() if k not in in_blocks}
         return KronCurvature(blocks, diag)
 
     def on_task_start(self, model: nn.Module, task: Task) -> None:
@@ -259,7 +277,7 @@ class FunctionalRegularizer:
         if not len(self.memory):
             return
         ref = next(p for p in model.parameters())
-        sigma = self.sigma() if self.kernel != "identity" else None
+        sigma = self.sigma(model) if self.kernel != "identity" else None
         entries = []
         for entry in self.memory:
             e = entry.to(ref.device)
