@@ -146,8 +146,8 @@ def report(res: dict, steps: int, n_train: int) -> str:
         f"Measured by `python benchmarks/perf_fromp.py` with {torch.get_num_threads()} CPU threads, torch "
         f"{torch.__version__}, Python {platform.python_version()}, {platform.machine()}; medians over {steps} "
         f"steps. The machine is shared (1-minute load average {res['load'][0]:.1f} at the start, "
-        f"{res['load'][1]:.1f} at the end, on 2 cores), so absolute times are inflated and move between runs;",
-        "the ratios within a row are measured under the same load.",
+        f"{res['load'][1]:.1f} at the end, on 2 cores); under other jobs' load absolute times inflate and move",
+        "between runs, while the ratios within a row are measured under the same load.",
         "Reference: team-approx-bayes/fromp on 2 cores (shared/ANCHORS.md).",
         "",
         f"Plain Adam step (median of the rows): **{plain * 1e3:.2f} ms** (reference ≈ "
@@ -172,7 +172,8 @@ def report(res: dict, steps: int, n_train: int) -> str:
         "  over the memorable points; no Jacobian is formed in the step; Δpᵀ K⁻¹ Δp = ‖L⁻¹Δp‖² by one batched",
         "  triangular solve with the Cholesky factors built at the task start.",
         "* × fwd/bwd(batch+mem): the step relative to one cross-entropy forward/backward over the minibatch and",
-        "  all memorable points together (target ≤ 2).",
+        "  all memorable points together (target ≤ 2). The yardstick has no clipping or optimiser step, whose fixed",
+        "  cost (all 89,610 weights) weighs most with 1 past task.",
         "* Rebuild: old predictions, 10 class-wise kernels per past task J_p Σ J_pᵀ (curvature engine,",
         "  diagonal Σ) and their float64 Cholesky factors; once per task boundary.",
         f"* Task end (diagonal GGN over the task's data + λ scoring and selection): "
