@@ -1,0 +1,334 @@
+"""Inspect a finished run and write the report: PNG figures, ``scores.csv`` and ``index.html``.
+
+    from continual_blr.inspect import inspect_path
+    index = inspect_path("runs/default", top=40)     # → runs/default/inspect/index.html
+
+:func:`inspect_run` computes the scores of every training example of the chosen tasks (see
+:mod:`.scores`) and marks the memorable points with FROMP's own selection function
+(:func:`continual_blr.memory.select_memorable`, top-k by tr Λ per class at the final weights) and, when
+the run stored a memory, with the points it holds. :func:`write_report` draws the figures and writes
+the CSV and a self-contained HTML page (figures embedded as data URIs, and also written beside it).
+
+"Memorable" in the report: the run's stored memory for a task when there is one (what the network is
+actually regularised to remember), else the top-k by tr Λ at the final weights. For the last task of
+a FROMP run the two coincide exactly (the memory was chosen at the final weights).
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import html
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..data.stream import Task
+from ..memory import select_memorable, select_per_class
+from . import figures
+from .saved_run import SavedRun, load_run, run_covariance, stored_memory
+from .scores import ExampleScores, score_examples
+
+__all__ = ["Inspection", "inspect_run", "write_report", "inspect_path", "DEFAULT_TOP", "MAX_IMAGES"]
+
+DEFAULT_TOP = 40
+"""Memorable points per task when the run stored none (FROMP's split-MNIST protocol: 20 per class)."""
+
+MAX_IMAGES = 40
+"""Examples drawn per grid (the CSV holds all of them)."""
+
+
+@dataclass
+class Inspection:
+    """The scores of a run's tasks and what produced them.
+
+    Attributes:
+        run: the reloaded run.
+        tasks: the inspected tasks (stream order).
+        scores: one :class:`ExampleScores` per inspected task.
+        top: memorable points per task (k of the top-k, split over classes as FROMP does).
+        sigma_source: where Σ came from (one line).
+        has_memory: whether the run stored memorable points.
+        timings: seconds spent per stage.
+    """
+
+    run: SavedRun
+    tasks: list[Task]
+    scores: list[ExampleScores]
+    top: int
+    sigma_source: str
+    has_memory: bool
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def task_label(self, i: int) -> str:
+        t = self.tasks[i]
+        return f"task {t.task_id + 1}" + (f" ({t.name})" if t.name else "")
+
+    def class_name(self, i: int, label: int) -> str:
+        """The original class of a label (task-incremental labels are renumbered within a task)."""
+        t = self.tasks[i]
+        if self.run.stream.scenario == "task" and 0 <= label < len(t.classes):
+            return str(t.classes[label])
+        return str(label)
+
+
+def inspect_run(
+    run: SavedRun,
+    *,
+    tasks: Sequence[int] | None = None,
+    top: int | None = None,
+    prior_precision: float | None = None,
+) -> Inspection:
+    """Score every training example of the chosen tasks of a reloaded run (no retraining).
+
+    Args:
+        run: from :func:`continual_blr.inspect.load_run`.
+        tasks: task ids (0-based, stream order); default all.
+        top: memorable points per task (FROMP's ``n_points``: split evenly over the task's classes);
+            default: what the run's memory holds per task, else :data:`DEFAULT_TOP`.
+        prior_precision: δ of the diagonal Laplace posterior for methods without their own Σ.
+
+    Returns:
+        An :class:`Inspection`.
+    """
+    t0 = time.perf_counter()
+    n_tasks = len(run.stream.tasks)
+    ids = list(range(n_tasks)) if tasks is None else [int(t) for t in tasks]
+    bad = [t for t in ids if not 0 <= t < n_tasks]
+    if bad:
+        raise ValueError(f"--task: the stream has tasks 1..{n_tasks}; got {bad[0] + 1}")
+    memory = stored_memory(run)
+    if top is None:
+        top = max((m["n"] for m in memory.values()), default=DEFAULT_TOP)
+    if int(top) < 1:
+        raise ValueError(f"--top: must be >= 1, got {top}")
+    sigma, source = run_covariance(run, prior_precision)
+    t_sigma = time.perf_counter()
+    chosen = [run.stream.tasks[i] for i in ids]
+    out = []
+    for task in chosen:
+        s = score_examples(run.model, task.x_train, task.y_train, sigma, head=task.head, task_id=task.task_id)
+        # FROMP's own selection (the function FROMPMethod calls at a task's end), at the final weights
+        idx, lam = select_memorable(run.model, task.x_train, task.y_train, int(top), head=task.head)
+        s.topk_now[idx.cpu()] = True
+        s.lowest[select_per_class(lam, task.y_train.to(lam.device), int(top), selection="lowest").cpu()] = True
+        if task.task_id in memory:
+            s.stored_memory[memory[task.task_id]["indices"]] = True
+            s.memorable = s.stored_memory.clone()
+        else:
+            s.memorable = s.topk_now.clone()
+        out.append(s)
+    t_scores = time.perf_counter()
+    return Inspection(run, chosen, out, int(top), source, bool(memory),
+                      {"covariance": t_sigma - t0, "scores": t_scores - t_sigma})
+
+
+# ---------------------------------------------------------------------------------------- CSV
+
+
+def _csv(insp: Inspection, path: Path) -> Path:
+    k_max = max(s.n_outputs for s in insp.scores)
+    head = (["task", "task_id", "head", "index", "label", "class", "pred", "prob_true", "relevance", "error_norm",
+             "variance_total"] + [f"variance_{k}" for k in range(k_max)]
+            + ["sensitivity", "sensitivity_diag", "loo_loss_increase", "loo_prob_true", "loo_delta_prob_true"]
+            + [f"loo_shift_{k}" for k in range(k_max)] + ["memorable", "topk_now", "stored_memory", "lowest"])
+    with path.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(head)
+        for i, s in enumerate(insp.scores):
+            cols = {n: getattr(s, n).detach().cpu().double().tolist() for n in
+                    ("prob_true", "relevance", "error_norm", "variance_total", "sensitivity", "sensitivity_diag",
+                     "loo_loss_increase", "loo_prob_true", "loo_delta_prob_true")}
+            var = s.variance.detach().cpu().double().tolist()
+            shift = s.loo_shift.detach().cpu().double().tolist()
+            label, pred, index = s.label.tolist(), s.pred.tolist(), s.index.tolist()
+            masks = [m.tolist() for m in (s.memorable, s.topk_now, s.stored_memory, s.lowest)]
+            pad = [""] * (k_max - s.n_outputs)
+            for r in range(len(s)):
+                w.writerow([s.task_id + 1, s.task_id, s.head, index[r], label[r], insp.class_name(i, label[r]),
+                            pred[r]] + [f"{cols[n][r]:.9g}" for n in ("prob_true", "relevance", "error_norm",
+                                                                        "variance_total")]
+                           + [f"{v:.9g}" for v in var[r]] + pad
+                           + [f"{cols[n][r]:.9g}" for n in ("sensitivity", "sensitivity_diag", "loo_loss_increase",
+                                                            "loo_prob_true", "loo_delta_prob_true")]
+                           + [f"{v:.9g}" for v in shift[r]] + pad + [int(m[r]) for m in masks])
+    return path
+
+
+# -------------------------------------------------------------------------------------- figures
+
+
+def _grids(insp: Inspection, i: int, out: Path) -> list[tuple[str, Path]]:
+    s, task = insp.scores[i], insp.tasks[i]
+    t = task.task_id + 1
+    correct = (s.pred == s.label).tolist()
+
+    def caption(r: int, score: str) -> str:
+        y = int(s.label[r])
+        line2 = {"relevance": f"trΛ={float(s.relevance[r]):.3g}",
+                 "sensitivity": f"s={float(s.sensitivity[r]):.2g}"}[score]
+        return f"y={insp.class_name(i, y)} p={float(s.prob_true[r]):.2f}\n{line2}"
+
+    def rows_of(mask: torch.Tensor, score: str, descending: bool) -> list[int]:
+        order = s.order(score, descending).tolist()
+        return [r for r in order if bool(mask[r])][:MAX_IMAGES]
+
+    sections = [
+        ("most memorable", "most_memorable", rows_of(s.memorable, "relevance", True), "relevance",
+         "stored FROMP memory" if bool(s.stored_memory.any()) else f"top-{insp.top} by tr Λ"),
+        ("least memorable", "least_memorable", rows_of(s.lowest, "relevance", False), "relevance",
+         f"lowest {insp.top} by tr Λ"),
+        ("most sensitive", "most_sensitive", s.order("sensitivity", True).tolist()[:min(MAX_IMAGES, insp.top)],
+         "sensitivity", "largest leave-one-out logit shift ‖V e‖₁"),
+    ]
+    written = []
+    if figures.is_image_shape(insp.run.stream.input_shape):
+        x = task.x_train.cpu()
+        for title, stem, rows, score, how in sections:
+            idx = s.index[rows] if rows else torch.zeros(0, dtype=torch.long)
+            path = figures.plot_example_grid(
+                x[idx], [caption(r, score) for r in rows], out / f"task{t}_{stem}.png",
+                title=f"{insp.task_label(i)}: {title} — {how}", bad=[not correct[r] for r in rows])
+            written.append((f"{title}", path))
+    else:
+        sens = torch.zeros(len(s), dtype=torch.bool)
+        sens[sections[2][2]] = True
+        marks = {"memorable": s.memorable, "lowest": s.lowest, "sensitive": sens}
+        if bool(s.stored_memory.any()) and not torch.equal(s.topk_now, s.stored_memory):
+            marks["top-k now"] = s.topk_now
+        names = [insp.class_name(i, int(c)) for c in torch.unique(s.label).tolist()]
+        path = figures.plot_projection(task.x_train[s.index], s.label, out / f"task{t}_projection.png",
+                                       marks=marks, title=f"{insp.task_label(i)}: 2-D PCA projection",
+                                       class_names=names)
+        written.append(("projection", path))
+    return written
+
+
+def _data_uri(path: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode("ascii")
+
+
+def _fmt(v: float) -> str:
+    return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3g}"
+
+
+def write_report(insp: Inspection, out: str | Path) -> Path:
+    """Write the figures, ``scores.csv`` and ``index.html`` into ``out``; returns the HTML path."""
+    t0 = time.perf_counter()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    labels = [insp.task_label(i) for i in range(len(insp.scores))]
+    csv_path = _csv(insp, out / "scores.csv")
+    maps = figures.plot_memory_maps(insp.scores, out / "memory_maps.png", task_labels=labels)
+    hists = figures.plot_score_histograms(insp.scores, out / "score_histograms.png", task_labels=labels)
+    across = figures.plot_memory_across_tasks(insp.scores, out / "memory_across_tasks.png", task_labels=labels)
+    grids = [_grids(insp, i, out) for i in range(len(insp.scores))]
+    insp.timings["figures"] = time.perf_counter() - t0
+    html_path = out / "index.html"
+    html_path.write_text(_html(insp, csv_path, maps, hists, across, grids))
+    return html_path
+
+
+def _img(path: Path, alt: str, width: str = "100%") -> str:
+    name = html.escape(path.name)
+    return (f'<figure><a href="{name}"><img src="{_data_uri(path)}" alt="{html.escape(alt)}" '
+            f'style="max-width:{width}"></a><figcaption>{html.escape(alt)} — <a href="{name}">{name}</a>'
+            f"</figcaption></figure>")
+
+
+def _html(insp: Inspection, csv_path: Path, maps: Path, hists: Path, across: Path,
+          grids: list[list[tuple[str, Path]]]) -> str:
+    run, e = insp.run, html.escape
+    res = run.result
+    acc = res.get("acc_matrix") or []
+    last = acc[-1] if acc else []
+    rows = []
+    for i, s in enumerate(insp.scores):
+        m = s.memorable
+        tid = s.task_id
+        test_acc = last[tid] if tid < len(last) and last[tid] is not None else float("nan")
+        overlap = (f"{int((s.stored_memory & s.topk_now).sum())}/{int(s.stored_memory.sum())}"
+                   if bool(s.stored_memory.any()) else "–")
+        rows.append(
+            "<tr>" + "".join(f"<td>{c}</td>" for c in [
+                e(insp.task_label(i)), len(s), int(m.sum()), _fmt(float((s.pred == s.label).double().mean())),
+                _fmt(test_acc), _fmt(float(s.relevance.mean())), _fmt(float(s.relevance[m].mean()) if bool(m.any()) else float("nan")),
+                _fmt(float(s.sensitivity.mean())), _fmt(float(s.sensitivity[m].mean()) if bool(m.any()) else float("nan")),
+                overlap]) + "</tr>")
+    grid_html = []
+    for i, items in enumerate(grids):
+        cells = "".join(f'<div class="cell">{_img(p, f"{insp.task_label(i)}: {title}")}</div>' for title, p in items)
+        grid_html.append(f"<h3>{e(insp.task_label(i))}</h3><div class='row'>{cells}</div>")
+    memory_note = ("The run stored a FROMP memory: <b>memorable</b> = the points it holds per task (chosen by "
+                   "<code>continual_blr.memory.select_memorable</code> when each task ended); <b>top-k now</b> = the "
+                   "same function at the final weights." if insp.has_memory else
+                   f"The run stored no memory: <b>memorable</b> = the top-{insp.top} by tr Λ per task at the final "
+                   "weights, from FROMP's own selection function <code>continual_blr.memory.select_memorable</code>.")
+    timing = ", ".join(f"{k} {v:.1f} s" for k, v in insp.timings.items())
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<title>Memorable examples — {e(run.method_name)} on {e(run.stream.name)}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1200px; color: #222; }}
+table {{ border-collapse: collapse; font-size: 0.9em; }} td, th {{ border: 1px solid #ccc; padding: 3px 8px; text-align: right; }}
+th {{ background: #f0f0f0; }} figure {{ margin: 0.5em 0; }} figcaption {{ font-size: 0.8em; color: #555; }}
+.row {{ display: flex; flex-wrap: wrap; gap: 1em; }} .cell {{ flex: 1 1 30%; min-width: 300px; }}
+code {{ background: #f5f5f5; padding: 0 3px; }} .defs li {{ margin: 0.2em 0; }}
+</style></head><body>
+<h1>Which past examples does the network remember, and why?</h1>
+<p><b>Run</b> <code>{e(str(run.path))}</code> — method <b>{e(run.method_name)}</b> on <b>{e(run.stream.name)}</b>
+({e(run.stream.scenario)}-incremental, {len(run.stream.tasks)} tasks), seed {run.config.seed};
+final average test accuracy {_fmt(res.get("avg_acc", float("nan")))}.<br>
+<b>Σ</b>: {e(insp.sigma_source)}.<br>{memory_note}<br>
+All scores: <a href="{e(csv_path.name)}">{e(csv_path.name)}</a> (one row per training example).
+<small>Time: {e(timing)}.</small></p>
+<h2>Per task</h2>
+<table><tr><th>task</th><th>train examples</th><th>memorable</th><th>train acc</th><th>test acc (final)</th>
+<th>mean tr Λ</th><th>mean tr Λ (memorable)</th><th>mean sensitivity</th><th>mean sensitivity (memorable)</th>
+<th>stored ∩ top-k now</th></tr>
+{''.join(rows)}</table>
+<h2>Memory maps</h2>{_img(maps, "prediction error against prediction variance, coloured by sensitivity")}
+<h2>Score histograms</h2>{_img(hists, "tr Λ and sensitivity per task", "760px")}
+<h2>The memorable set across tasks</h2>{_img(across, "memorable points vs all, per task")}
+<h2>Examples</h2>
+<p>Under each example: its class, the probability p the network gives it, and the score it was ranked by
+(red: misclassified).</p>
+{''.join(grid_html)}
+<h2>Definitions</h2>
+<ul class="defs">
+<li>p = softmax(f(x)) on the task's head; <b>relevance</b> tr Λ(x) = Σ<sub>k</sub> p<sub>k</sub>(1 − p<sub>k</sub>) — what FROMP selects on (top-k per class).</li>
+<li><b>error</b> e = p − onehot(y); the map shows ‖e‖₂.</li>
+<li><b>prediction covariance</b> V = J Σ Jᵀ (logits, J = ∂f/∂θ); <b>variance</b> v = diag V, the map shows tr V.</li>
+<li><b>leave-one-out shift</b> Δf ≈ V e (Nickl et al. 2023: removing x moves its own logits by error × variance);
+<b>sensitivity</b> = ‖V e‖₁; <code>sensitivity_diag</code> = Σ<sub>k</sub>|e<sub>k</sub> v<sub>k</sub>| (diagonal form);
+<code>loo_prob_true</code> = softmax(f + V e)<sub>y</sub>; <code>loo_loss_increase</code> = eᵀ V e.</li>
+</ul>
+</body></html>
+"""
+
+
+def inspect_path(
+    path: str | Path,
+    *,
+    out: str | Path | None = None,
+    method: str | None = None,
+    tasks: Sequence[int] | None = None,
+    top: int | None = None,
+    prior_precision: float | None = None,
+) -> tuple[Path, Inspection]:
+    """Load a run folder, inspect it and write the report (default folder: ``<run>/inspect``).
+
+    Returns:
+        ``(index.html path, the Inspection)``.
+    """
+    t0 = time.perf_counter()
+    run = load_run(path, method)
+    t_load = time.perf_counter() - t0
+    insp = inspect_run(run, tasks=tasks, top=top, prior_precision=prior_precision)
+    insp.timings = {"load": t_load, **insp.timings}
+    target = Path(out) if out is not None else run.path / "inspect"
+    return write_report(insp, target), insp
