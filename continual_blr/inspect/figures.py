@@ -39,11 +39,11 @@ STORED_COLOR = "#ff7f0e"
 LOWEST_COLOR = "#7f7f7f"
 
 
-def _figure(width: float, height: float, dpi: int = 110):
+def _figure(width: float, height: float, dpi: int = 110, layout: str | None = None):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(width, height), dpi=dpi)
+    fig = Figure(figsize=(width, height), dpi=dpi, layout=layout)
     FigureCanvasAgg(fig)
     return fig
 
@@ -99,7 +99,7 @@ def plot_example_grid(
     rows = max(1, math.ceil(n / cols))
     n_lines = max((s.count("\n") + 1 for s in captions), default=1)
     pad = max(1, h // 8)
-    cap = int(math.ceil(h * 0.32 * n_lines)) + pad  # caption band under each image, in pixels of the mosaic
+    cap = int(math.ceil(h * 0.27 * n_lines)) + pad  # caption band under each image, in pixels of the mosaic
     pitch_y, pitch_x = h + cap + pad, w + 2 * pad
     mosaic = np.ones((rows * pitch_y, cols * pitch_x, c), dtype=np.float32)
     grey = c == 1
@@ -180,7 +180,7 @@ def plot_projection(
 def _panel_grid(n: int, width: float = 3.3, height: float = 2.9, max_cols: int = 3):
     cols = max(1, min(max_cols, n))
     rows = max(1, math.ceil(n / cols))
-    fig = _figure(width * cols, height * rows)
+    fig = _figure(width * cols, height * rows, layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False).reshape(-1)
     for ax in axes[n:]:
         ax.set_visible(False)
@@ -217,11 +217,11 @@ def plot_memory_maps(scores: Sequence[ExampleScores], path: str | Path, *, task_
         ax.set_xlabel("prediction error ‖p − onehot(y)‖", fontsize=8)
         ax.set_ylabel("prediction variance tr JΣJᵀ", fontsize=8)
         ax.set_title(name, fontsize=9)
-        ax.tick_params(labelsize=7)
+        ax.tick_params(which="both", labelsize=7)
         ax.grid(alpha=0.25, which="both", lw=0.4)
         ax.legend(fontsize=7, loc="lower left", framealpha=0.8)
     if sc is not None:
-        fig.colorbar(sc, ax=list(axes), fraction=0.025, label="sensitivity ‖V e‖₁")
+        fig.colorbar(sc, ax=list(axes), shrink=0.9, label="sensitivity ‖V e‖₁")
     fig.suptitle("Memory maps: high error = hard to fit; high variance = weakly determined; "
                  "sensitivity ≈ error × variance", fontsize=9)
     return _save(fig, path)
@@ -245,7 +245,7 @@ def plot_score_histograms(scores: Sequence[ExampleScores], path: str | Path, *, 
         ax_r.set_yscale("log")
         ax_r.set_xlabel("relevance tr Λ(x) = Σ p(1 − p)", fontsize=8)
         ax_r.set_ylabel(name, fontsize=8)
-        ax_r.tick_params(labelsize=7)
+        ax_r.tick_params(which="both", labelsize=7)
         sens = _pos(s.sensitivity)
         lo, hi = np.log10(sens.min()), np.log10(sens.max())
         sbins = np.logspace(lo, hi if hi > lo else lo + 1, 31)
@@ -254,7 +254,7 @@ def plot_score_histograms(scores: Sequence[ExampleScores], path: str | Path, *, 
         ax_s.set_xscale("log")
         ax_s.set_yscale("log")
         ax_s.set_xlabel("sensitivity ‖V e‖₁ (leave-one-out logit shift)", fontsize=8)
-        ax_s.tick_params(labelsize=7)
+        ax_s.tick_params(which="both", labelsize=7)
     if n:
         axes[0, 0].legend(fontsize=7)
         axes[0, 1].legend(fontsize=7)
@@ -262,7 +262,7 @@ def plot_score_histograms(scores: Sequence[ExampleScores], path: str | Path, *, 
     return _save(fig, path)
 
 
-def plot_memory_across_tasks(scores: Sequence[ExampleScores], path: str | Path, *, task_labels: Sequence[str]) -> Path:
+def plot_memory_across_tasks(scores: Sequence[ExampleScores], path: str | Path) -> Path:
     """How the memorable set compares across tasks, at the final weights.
 
     Panels: (1) mean tr Λ of the memorable points vs all points per task; (2) mean sensitivity, same
@@ -308,8 +308,9 @@ def plot_memory_across_tasks(scores: Sequence[ExampleScores], path: str | Path, 
         ax.set_ylim(0, 1.05)
         ax.set_title("stored memory still in top-k now", fontsize=9)
     for ax in axes:
-        ax.set_xticks(xs, list(task_labels), fontsize=7, rotation=30 if len(scores) > 6 else 0)
-        ax.tick_params(labelsize=7)
+        ax.set_xticks(xs, [f"T{s.task_id + 1}" for s in scores], fontsize=7)
+        ax.set_xlabel("task", fontsize=8)
+        ax.tick_params(which="both", labelsize=7)
         ax.grid(alpha=0.25, axis="y")
     axes[0].legend(fontsize=7)
     fig.tight_layout()

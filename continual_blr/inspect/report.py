@@ -225,7 +225,7 @@ def write_report(insp: Inspection, out: str | Path) -> Path:
     csv_path = _csv(insp, out / "scores.csv")
     maps = figures.plot_memory_maps(insp.scores, out / "memory_maps.png", task_labels=labels)
     hists = figures.plot_score_histograms(insp.scores, out / "score_histograms.png", task_labels=labels)
-    across = figures.plot_memory_across_tasks(insp.scores, out / "memory_across_tasks.png", task_labels=labels)
+    across = figures.plot_memory_across_tasks(insp.scores, out / "memory_across_tasks.png")
     grids = [_grids(insp, i, out) for i in range(len(insp.scores))]
     insp.timings["figures"] = time.perf_counter() - t0
     html_path = out / "index.html"

@@ -135,7 +135,7 @@ def run_covariance(run: SavedRun, prior_precision: float | None = None) -> tuple
     meth, model = run.method, run.model
     reg = getattr(meth, "regularizer", None)
     if reg is not None and callable(getattr(reg, "sigma", None)) and getattr(reg, "fisher", None) is not None:
-        sigma = reg.sigma()
+        sigma = reg.sigma(model) if _inspect.signature(reg.sigma).parameters else reg.sigma()
         form = "Kronecker factors" if not isinstance(sigma, dict) else "diag(1/(F + δ))"
         return sigma, (f"{run.method_name}'s own Σ = {form}: F the GGN accumulated over all tasks, "
                        f"δ = {reg.prior_precision:g}")

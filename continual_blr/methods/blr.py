@@ -42,12 +42,12 @@ class BLRParams:
 
     structure: str = "diag"
     prior_precision: float = 1.0
-    init_precision: float | None = None
-    lr: float = 0.05
+    init_precision: float | None = 400.0
+    lr: float = 0.2
     rho: float = 0.05
     beta1: float = 0.9
     mc_samples: int = 1
-    ess_factor: float = 1.0
+    ess_factor: float = 0.2
     predict_samples: int = 0
 
     def __post_init__(self) -> None:
