@@ -80,3 +80,32 @@ def test_build_method_errors():
         build_method("blr", {"structure": "banana"})
     with pytest.raises(ValueError, match="takes no params"):
         build_method("none", {"x": 1})
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.1])
+def test_blr_temperature_carries_the_tasks_precision_divided_by_t(temperature):
+    """At a task end the next prior's precision is s₀ + max(s − s₀, 0) / T (T = 1: the posterior itself)."""
+    from continual_blr.posteriors import DiagPosterior
+
+    stream = make_stream("synthetic", scenario="task", seed=0)
+    model = build_model("mlp", stream.input_shape, stream.n_outputs, stream.n_heads, hidden=(8,),
+                        generator=torch.Generator().manual_seed(0))
+    method = build_method("blr", {"prior_precision": 2.0, "temperature": temperature}, seed=0)
+    train = TrainConfig(epochs=1, batch_size=32, lr=1e-2)
+    method.setup(model, stream, train)
+    opt = method.make_optimizer(model, stream.tasks[0], train)
+    g = torch.Generator().manual_seed(3)
+    # a posterior precision on both sides of the prior's 2.0 (below it: the clamp keeps the prior)
+    s = {k: 4.0 * torch.rand(v.shape, generator=g, dtype=v.dtype) for k, v in opt.prior.mean.items()}
+    opt._post = DiagPosterior(opt.posterior().mean, s)
+    method.on_task_end(model, stream.tasks[0], opt)
+    for k, v in s.items():
+        expected = 2.0 + (v - 2.0).clamp_min(0.0) / temperature if temperature != 1.0 else v
+        torch.testing.assert_close(opt.prior.precision[k], expected, rtol=1e-6, atol=0.0)
+
+
+def test_blr_temperature_is_diag_only():
+    with pytest.raises(ValueError, match="params.temperature"):
+        build_method("blr", {"structure": "kron", "temperature": 0.5})
+    with pytest.raises(ValueError, match="params.temperature"):
+        build_method("blr", {"temperature": 0.0})

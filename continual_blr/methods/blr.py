@@ -38,6 +38,10 @@ class BLRParams:
         mc_samples: weight samples per step (≥ 1).
         ess_factor: the effective sample size is ess_factor · N (< 1 tempers the likelihood).
         predict_samples: Monte-Carlo samples for predictions (0: the posterior mean).
+        temperature: T of the carried prior (``diag`` only). At the end of task t the precision the
+            task added to its prior is divided by T before it becomes the next prior,
+            s₀⁽ᵗ⁺¹⁾ = s₀⁽ᵗ⁾ + max(s_t − s₀⁽ᵗ⁾, 0) / T, as online Laplace's temperature (T = 1: plain sequential
+            Bayes; T < 1: a colder, stronger memory). Parameters the task never moved keep their prior.
     """
 
     structure: str = "diag"
@@ -49,6 +53,7 @@ class BLRParams:
     mc_samples: int = 1
     ess_factor: float = 0.2
     predict_samples: int = 0
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         s = parse_enum(Structure, self.structure, "params.structure")
@@ -60,6 +65,11 @@ class BLRParams:
             raise ValueError(f"params.init_precision: must be > 0, got {self.init_precision}")
         if not self.ess_factor > 0:
             raise ValueError(f"params.ess_factor: must be > 0, got {self.ess_factor}")
+        if not self.temperature > 0:
+            raise ValueError(f"params.temperature: must be > 0, got {self.temperature}")
+        if self.temperature != 1.0 and s != Structure.DIAG:
+            raise ValueError("params.temperature: only 'diag' structure supports a temperature != 1 "
+                             "(a Kronecker precision difference is not Kronecker)")
         if self.predict_samples < 0:
             raise ValueError(f"params.predict_samples: must be >= 0, got {self.predict_samples}")
 
@@ -97,7 +107,16 @@ class BLRMethod(Method):
     def on_task_end(self, model: nn.Module, task: Task, optimizer=None) -> None:
         super().on_task_end(model, task, optimizer)
         assert self.optimizer is not None
-        self.optimizer.set_prior(self.optimizer.posterior())
+        self.optimizer.set_prior(self._next_prior(self.optimizer.posterior(), self.optimizer.prior))
+
+    def _next_prior(self, post: GaussianPosterior, prior: GaussianPosterior) -> GaussianPosterior:
+        """The prior of the next task: the posterior, with the task's added precision divided by T."""
+        t = self.params.temperature
+        if t == 1.0:
+            return post
+        assert isinstance(post, DiagPosterior) and isinstance(prior, DiagPosterior)
+        s0 = prior.precision
+        return DiagPosterior(post.mean, {k: s0[k] + (post.precision[k] - s0[k]).clamp_min(0) / t for k in post.mean})
 
     def posterior(self) -> GaussianPosterior:
         assert self.optimizer is not None

@@ -1,0 +1,319 @@
+"""Every continual-learning method on split digits, task and class scenarios: one table.
+
+Run (CPU, 1 torch thread; finished runs are stored under benchmarks/runs/split_digits/ and reused):
+
+    python benchmarks/split_digits.py                                       # 5 seeds, task + class, writes the table
+    python benchmarks/split_digits.py --seeds 0 --methods none fromp ewc --scenarios task --no-write   # quick look
+
+Rows: no regulariser, the weight-space methods (L2, EWC, online EWC, Laplace, VCL, BLR, IVON), FROMP
+and its ablations (FRORP, FROMP-L2, fromp-full, fromp-kron, ``classes: all``), and joint training as
+the upper bound. Each row is data (``ROWS``): a label, a YAML of ``configs/split_digits/`` whose
+``methods[0]`` gives the registry name and params, an optional params override, the scenarios it runs
+in and, for the FROMP variants, the registry name that replaces the config's (they share
+``fromp.yaml``'s params).
+
+Every row runs through the one training loop (``runner.run_config``) with the *same* model and
+budget: the ``model`` and ``train`` of ``configs/split_digits/none.yaml`` (MLP 64-100-100, 10 epochs
+per task, batch 32, Adam lr 1e-3 for the non-BLR optimisers, no gradient clipping). Only the scenario
+and the seed change: ``task`` (multi-head, one 2-way head per task) and ``class`` (single 10-way
+head). A finished (row, scenario, seed) is stored as JSON under
+``<runs-dir>/<scenario>/<label>_seed<seed>.json`` and reused while its method config (name + params)
+is unchanged. The table in ``benchmarks/results/split_digits.md`` gives the final average accuracy
+(mean ± sample std over seeds), the paired difference to "none" on the same seeds, forgetting, and
+the CPU time per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import yaml
+
+from continual_blr.config import MethodConfig, RunConfig, from_dict
+from continual_blr.runner import run_config
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs" / "split_digits"
+SCENARIOS = ("task", "class")
+BASE_CONFIG = "none"  # its model and train are every row's budget
+
+
+class Row(NamedTuple):
+    """One row of the table.
+
+    Attributes:
+        label: the row's name in the table (and, made file-safe, in the stored runs' file names).
+        config: stem of the YAML under ``configs/split_digits/`` whose ``methods[0]`` is used.
+        override: params merged over the config's params (None: none).
+        scenarios: the scenarios this row runs in.
+        name: registry name replacing the config's (the FROMP variants on ``fromp.yaml``); None keeps it.
+    """
+
+    label: str
+    config: str
+    override: dict[str, Any] | None = None
+    scenarios: tuple[str, ...] = SCENARIOS
+    name: str | None = None
+
+
+ROWS: list[Row] = [
+    Row("none", "none"),
+    Row("l2", "l2"),
+    Row("ewc", "ewc"),
+    Row("ewc (online)", "ewc_online"),
+    Row("laplace (kron)", "laplace"),
+    Row("laplace (diag)", "laplace_diag"),
+    Row("vcl (vogn)", "vcl"),
+    Row("vcl (bbb)", "vcl_bbb"),
+    Row("vcl (vogn) + k-center coreset", "vcl_coreset"),
+    Row("blr (diag, VOGN)", "blr"),
+    Row("ivon", "ivon"),
+    Row("fromp", "fromp"),
+    Row("frorp", "fromp", name="frorp"),
+    Row("fromp-l2", "fromp", name="fromp-l2"),
+    Row("fromp-full", "fromp", name="fromp-full"),
+    Row("fromp-kron", "fromp", name="fromp-kron"),
+    Row("fromp (classes: all)", "fromp", {"classes": "all"}, ("class",)),
+    Row("joint", "joint"),
+]
+
+Records = dict[tuple[str, str], list[dict[str, Any]]]
+
+
+def _load(config: str) -> RunConfig:
+    """The run config of ``configs/split_digits/<config>.yaml``."""
+    return from_dict(RunConfig, yaml.safe_load((CONFIGS / f"{config}.yaml").read_text()))
+
+
+def method_config(row: Row) -> MethodConfig:
+    """The row's method: its config's ``methods[0]`` with the name replaced and params overridden.
+
+    The method-level ``train`` overrides of the YAML are dropped: every row shares one budget.
+    """
+    mc = _load(row.config).methods[0]
+    return MethodConfig(row.name or mc.name, dict(mc.params) | dict(row.override or {}))
+
+
+def safe_label(label: str) -> str:
+    """``label`` as a file name: runs of other characters than ``[A-Za-z0-9.-]`` become ``_``."""
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", label).strip("_")
+
+
+def select_rows(methods: list[str] | None) -> list[Row]:
+    """The rows named by ``methods``, in table order.
+
+    Each name selects the row with that label; a name that is no label selects the rows of that
+    config stem (``laplace`` → "laplace (kron)", ``fromp`` → only the "fromp" row).
+
+    Raises:
+        SystemExit: a name that is neither a label nor a config stem.
+    """
+    if not methods:
+        return list(ROWS)
+    labels = {r.label for r in ROWS}
+    stems = {r.config for r in ROWS}
+    unknown = [m for m in methods if m not in labels and m not in stems]
+    if unknown:
+        raise SystemExit(f"unknown --methods {unknown}; labels: {sorted(labels)}; configs: {sorted(stems)}")
+    wanted_labels = {m for m in methods if m in labels}
+    wanted_stems = {m for m in methods if m not in labels}
+    return [r for r in ROWS if r.label in wanted_labels or r.config in wanted_stems]
+
+
+def run_one(row: Row, scenario: str, seed: int, runs_dir: Path, force: bool = False) -> dict[str, Any]:
+    """Run (or reload) one (row, scenario, seed).
+
+    Args:
+        row: the table row.
+        scenario: ``"task"`` or ``"class"``.
+        seed: the run's seed.
+        runs_dir: where finished runs are stored (``<runs_dir>/<scenario>/<label>_seed<seed>.json``).
+        force: rerun even if a stored run with the same method config exists.
+
+    Returns:
+        The run's ``StreamResult.to_dict()`` plus ``wall_s``, ``cpu_s``, ``label`` and ``method_config``.
+    """
+    mc = method_config(row)
+    key = {"name": mc.name, "params": mc.params}
+    path = runs_dir / scenario / f"{safe_label(row.label)}_seed{seed}.json"
+    if path.is_file() and not force:
+        rec = json.loads(path.read_text())
+        if rec.get("method_config") == key:
+            return rec
+    cfg = copy.deepcopy(_load(BASE_CONFIG))  # the shared model and budget
+    cfg.stream.scenario = scenario
+    cfg.seed = seed
+    cfg.progress = False
+    cfg.methods = [mc]
+    t0, c0 = time.perf_counter(), time.process_time()
+    res = run_config(cfg, save=False)[0]
+    rec = res.to_dict() | {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
+                           "label": row.label, "config": row.config, "method_config": key}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(rec, indent=2))
+    tmp.replace(path)
+    return rec
+
+
+def _ms(xs: list[float], scale: float = 100.0) -> str:
+    """``mean ± sample std`` of ``xs`` × ``scale``, one decimal."""
+    m = statistics.fmean(xs)
+    s = statistics.stdev(xs) if len(xs) > 1 else 0.0
+    return f"{scale * m:.1f} ± {scale * s:.1f}"
+
+
+def _config_cell(row: Row) -> str:
+    """The config column: the YAML, the replaced registry name and the override."""
+    cell = f"`{row.config}.yaml`"
+    if row.name:
+        cell += f" as `{row.name}`"
+    if row.override:
+        cell += f" + `{json.dumps(row.override)}`"
+    return cell
+
+
+def _fromp_note() -> list[str]:
+    """The FROMP paragraph, its numbers read from ``fromp.yaml``."""
+    p = _load("fromp").methods[0].params
+    n = int(p.get("n_points", 40))
+    return [
+        f"FROMP: τ = {p.get('tau', 10.0):g}, {n} memorable points per task ({n // 2} per class, top tr Λ), "
+        f"δ = {p.get('prior_precision', 1e-3):g}, ε = {p.get('jitter', 1e-6):g} (the reference code's split-MNIST "
+        "values, not tuned here). FRORP: random points. FROMP-L2: K = I. fromp-full: full multi-output kernel. "
+        "fromp-kron: Kronecker-factored Σ. In the class scenario FROMP compares a past task's own classes "
+        "(`classes: task`); `classes: all` is the ablation that compares all 10 outputs.",
+    ]
+
+
+def report(records: Records, seeds: list[int], wall: float, command: str, threads: int,
+           runs_dir: Path | None = None) -> str:
+    """The markdown table and its notes.
+
+    Args:
+        records: ``(label, scenario)`` → the runs, one per seed.
+        seeds: the seeds asked for.
+        wall: this invocation's wall time (s).
+        command: the command line that produced the table.
+        threads: torch threads used.
+        runs_dir: where the runs are stored (named in the header; default the standard folder).
+    """
+    base = _load(BASE_CONFIG)
+    t = base.train
+    clip = "no gradient clipping" if t.grad_clip is None else f"gradient norm clipped at {t.grad_clip:g}"
+    rows = [r for r in ROWS if any((r.label, s) in records for s in SCENARIOS)]
+    runs_dir = Path(runs_dir or ROOT / "benchmarks" / "runs" / "split_digits").resolve()
+    runs_shown = runs_dir.relative_to(ROOT) if runs_dir.is_relative_to(ROOT) else runs_dir
+    lines = [
+        "# Split digits: all methods (final average accuracy, %)",
+        "",
+        f"Produced by (runs stored under `{runs_shown}/`, not committed):",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        f"Seeds {', '.join(map(str, seeds))}; mean ± sample std over seeds. Same model and budget for every "
+        f"row (`{BASE_CONFIG}.yaml`'s): MLP 64-{'-'.join(map(str, base.model.hidden))}, {t.epochs} epochs per "
+        f"task, batch {t.batch_size}, {t.optimizer.capitalize()} lr {t.lr:g} (BLR, VCL-vogn and IVON use their own "
+        f"optimiser over the same minibatches), {clip}. Task: one 2-way head per task (multi-head); class: one "
+        "10-way head (single-head). Δ none: mean ± std over seeds of (row − none) on the same seed.",
+        "",
+        "| method | config | task-incremental | Δ none | forgetting | class-incremental | Δ none | forgetting "
+        "| CPU / run (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        cells: list[str] = []
+        cpu: list[float] = []
+        for scen in SCENARIOS:
+            recs = records.get((row.label, scen))
+            if not recs:
+                cells += ["-", "-", "-"]
+                continue
+            none = {r["seed"]: r["avg_acc"] for r in records.get(("none", scen), [])}
+            diffs = [r["avg_acc"] - none[r["seed"]] for r in recs if r["seed"] in none]
+            cells += [_ms([r["avg_acc"] for r in recs]),
+                      _ms(diffs) if diffs and row.label != "none" else "-",
+                      _ms([r["forgetting"] for r in recs])]
+            cpu += [r.get("cpu_s", r["wall_s"]) for r in recs]
+        lines.append(f"| {row.label} | {_config_cell(row)} | {' | '.join(cells)} | {statistics.fmean(cpu):.1f} |")
+    n_runs = sum(len(v) for v in records.values())
+    lines += [
+        "",
+        f"{n_runs} runs, {threads} torch thread(s) each, on a shared 2-core CPU; their wall times sum to "
+        f"{sum(r['wall_s'] for v in records.values() for r in v):.0f} s. This invocation took {wall:.0f} s "
+        "(stored runs are reused at no cost).",
+        "",
+        "Weight-space rows (l2, ewc, ewc (online), laplace (kron/diag), the three vcl rows, ivon, blr): params chosen "
+        "on tuning seeds, never on the reported seeds 0-4 (see each YAML's first line); FROMP rows are not tuned.",
+        "",
+        "Method parameters (registry name and params, as run):",
+        "",
+    ]
+    for row in rows:
+        mc = method_config(row)
+        lines.append(f"- **{row.label}**: `{mc.name}` {json.dumps(mc.params) if mc.params else '(defaults)'}")
+    if any(r.config == "fromp" for r in rows):
+        lines += [""] + _fromp_note()
+    return "\n".join(lines) + "\n"
+
+
+def _needs_ivon(row: Row) -> bool:
+    """Whether the row's method needs the optional ``ivon`` package."""
+    return method_config(row).name == "ivon"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the selected rows × scenarios × seeds, print the table and (unless ``--no-write``) write it."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    ap.add_argument("--methods", nargs="+", default=None,
+                    help="rows to run: a row label, or else a config stem (its rows); default: every row")
+    ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    ap.add_argument("--runs-dir", default=str(ROOT / "benchmarks" / "runs" / "split_digits"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "split_digits.md"))
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    ap.add_argument("--force", action="store_true", help="rerun stored runs")
+    ap.add_argument("--no-write", action="store_true", help="print the table only")
+    args = ap.parse_args(argv)
+    command = ("python benchmarks/split_digits.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    records: Records = {}
+    for row in select_rows(args.methods):
+        if _needs_ivon(row) and importlib.util.find_spec("ivon") is None:
+            print(f"{row.label}: skipped (pip install ivon-opt==0.1.3)")
+            continue
+        for scen in args.scenarios:
+            if scen not in row.scenarios:
+                continue
+            for seed in args.seeds:
+                rec = run_one(row, scen, seed, Path(args.runs_dir), args.force)
+                records.setdefault((row.label, scen), []).append(rec)
+                print(f"{row.label:32s} {scen:5s} seed {seed}: {100 * rec['avg_acc']:5.1f}%  "
+                      f"({rec['wall_s']:.1f} s wall, {rec.get('cpu_s', 0):.1f} s CPU)", flush=True)
+    text = report(records, args.seeds, time.perf_counter() - t0, command, args.threads, Path(args.runs_dir))
+    print(text)
+    if not args.no_write:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(out.suffix + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out)
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
