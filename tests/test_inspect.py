@@ -186,3 +186,33 @@ def test_cli_inspect_bad_input_one_line(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("continual-blr: error:") and "\n" not in err
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("continual-blr: error:") and "\n" not in err and "Traceback" not in err
+    return err
+
+
+def test_cli_inspect_missing_run_names_the_argument(tmp_path, capsys):
+    rc = main(["inspect", str(tmp_path / "nope")])
+    assert rc == 2
+    err = _one_line_error(capsys)
+    assert "run:" in err and "results.json" in err
+
+
+@pytest.mark.parametrize(
+    "args, field, allowed",
+    [
+        (["--task", "99"], "--task", "0..4"),
+        (["--task", "-1"], "--task", "0..4"),
+        (["--top", "0"], "--top", "positive integer"),
+        (["--method", "nosuch"], "--method", "fromp"),
+    ],
+)
+def test_cli_inspect_bad_option_names_field_and_allowed(fromp_run, tmp_path, capsys, args, field, allowed):
+    rc = main(["inspect", str(fromp_run), "--out", str(tmp_path / "o")] + args)
+    assert rc == 2
+    err = _one_line_error(capsys)
+    assert field in err and allowed in err
+    assert not (tmp_path / "o" / "index.html").exists()

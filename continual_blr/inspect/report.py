@@ -1,7 +1,7 @@
 """Inspect a finished run and write the report: PNG figures, ``scores.csv`` and ``index.html``.
 
     from continual_blr.inspect import inspect_path
-    index = inspect_path("runs/default", top=40)     # → runs/default/inspect/index.html
+    index, insp = inspect_path("runs/default", top=40)   # → runs/default/inspect/index.html
 
 :func:`inspect_run` computes the scores of every training example of the chosen tasks (see
 :mod:`.scores`) and marks the memorable points with FROMP's own selection function
@@ -100,7 +100,8 @@ def inspect_run(
     ids = list(range(n_tasks)) if tasks is None else [int(t) for t in tasks]
     bad = [t for t in ids if not 0 <= t < n_tasks]
     if bad:
-        raise ValueError(f"--task: the stream has tasks 1..{n_tasks}; got {bad[0] + 1}")
+        raise ValueError(f"--task: the stream has {n_tasks} tasks, allowed indices 0..{n_tasks - 1} "
+                         f"(0-based: the report's task k is index k − 1); got {bad[0]}")
     memory = stored_memory(run)
     if top is None:
         top = max((m["n"] for m in memory.values()), default=DEFAULT_TOP)

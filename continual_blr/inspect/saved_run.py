@@ -98,7 +98,8 @@ def load_run(path: str | Path, method: str | None = None) -> SavedRun:
         method = method or p.name
         p = p.parent
     if not (p / "results.json").is_file():
-        raise RunNotFoundError(f"not a run folder (no results.json): {path}")
+        raise RunNotFoundError(f"run: not a run folder (no results.json): {path}; expected a folder written by "
+                               "`continual-blr run`, one of its <method>/ subfolders, or the YAML config that wrote it")
     payload = json.loads((p / "results.json").read_text())
     config = from_dict(RunConfig, payload["config"])
     results = {r["method"]: r for r in payload.get("results", [])}
@@ -108,7 +109,7 @@ def load_run(path: str | Path, method: str | None = None) -> SavedRun:
         raise ValueError(f"--method: the run holds {', '.join(names)}; got {name!r}")
     mdir = p / name
     if not (mdir / "model.pt").is_file() or not (mdir / "method.pt").is_file():
-        raise RunNotFoundError(f"no saved model/method state for {name!r} under {mdir}")
+        raise RunNotFoundError(f"run: no saved model/method state for {name!r} under {mdir}")
     if name not in METHODS:
         raise ValueError(f"method: {name!r} is not registered; allowed: {', '.join(sorted(METHODS))}")
     mc: MethodConfig = next(m for m in config.methods if m.name == name)
