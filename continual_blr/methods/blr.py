@@ -51,7 +51,7 @@ class BLRParams:
     rho: float = 0.05
     beta1: float = 0.9
     mc_samples: int = 1
-    ess_factor: float = 0.2
+    ess_factor: float = 1.0
     predict_samples: int = 0
     temperature: float = 1.0
 
