@@ -1,7 +1,7 @@
 """Command line: ``continual-blr run [CONFIG.yaml] [--method NAME] [--seed N] [--device D] [--out DIR]``.
 
 With no arguments ``run`` trains the embedded default — split-digits (scikit-learn's bundled 8×8
-digits, no download) with the BLR method and the no-prior baseline — prints a table and writes
+digits, no download) with the BLR method, FROMP and the no-prior baseline — prints a table and writes
 ``results.json`` and ``accuracy_matrix.png``. Bad input (unknown method, unknown config key, wrong
 type, missing file or data folder) is reported in one line on stderr with exit status 2.
 """

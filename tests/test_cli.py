@@ -22,11 +22,11 @@ def _valid_png(path):
 
 
 def test_default_run_writes_results_and_heatmap(tmp_path, capsys):
-    # The embedded default (split-digits, blr + none), shortened to 1 epoch for the test suite.
+    # The embedded default (split-digits, blr + fromp + none), shortened to 1 epoch for the test suite.
     rc = main(["run", "--out", str(tmp_path), "--epochs", "1", "--no-progress"])
     assert rc == 0
     payload = json.loads((tmp_path / "results.json").read_text())
-    assert [r["method"] for r in payload["results"]] == ["blr", "none"]
+    assert [r["method"] for r in payload["results"]] == ["blr", "fromp", "none"]
     assert all(len(r["acc_matrix"]) == 5 for r in payload["results"])
     _valid_png(tmp_path / "accuracy_matrix.png")
     out = capsys.readouterr().out
