@@ -177,6 +177,7 @@ def test_vogn_seeded_and_learns(gen):
         (dict(beta1=1.0), "beta1"),
         (dict(mc_samples=-1), "mc_samples"),
         (dict(curvature="fisherish"), "curvature"),
+        (dict(clip_radius=0.0), "clip_radius"),
     ],
 )
 def test_validation_names_the_field(kwargs, field):
@@ -204,3 +205,17 @@ def test_validation_other_branches():
     opt = VON(model, DiagPosterior({"w": torch.zeros(2, dtype=DT)}, 1.0), n_data=3)
     with pytest.raises(ValueError, match="closure"):
         opt.step(None)
+
+
+def test_mean_update_clips_the_preconditioned_step_elementwise():
+    """m ← m − α clip_r(S⁻¹d): entries of S⁻¹d beyond ±r are cut to ±r, the others are untouched."""
+    from continual_blr.optim.blr import blr_mean_update
+
+    post = DiagPosterior({"w": torch.tensor([1.0, -2.0, 0.5], dtype=DT)},
+                         {"w": torch.tensor([0.5, 4.0, 10.0], dtype=DT)})
+    d = {"w": torch.tensor([2.0, -4.0, 0.1], dtype=DT)}  # S⁻¹d = [4, -1, 0.01]
+    alpha, r = 0.5, 0.3
+    plain = blr_mean_update(post, d, alpha)
+    clipped = blr_mean_update(post, d, alpha, clip_radius=r)
+    torch.testing.assert_close(plain["w"], torch.tensor([1.0 - 2.0, -2.0 + 0.5, 0.5 - 0.005], dtype=DT))
+    torch.testing.assert_close(clipped["w"], torch.tensor([1.0 - alpha * r, -2.0 + alpha * r, 0.5 - 0.005], dtype=DT))

@@ -467,7 +467,7 @@ class MethodPlugin(SupervisedPlugin):
         BayesianLearningRule.__init__(
             optimizer, view, prior, n_data=optimizer.n_data, lr=group["lr"], rho=group["rho"], beta1=group["beta1"],
             mc_samples=optimizer.mc_samples, curvature=optimizer.curvature, init_precision=start,
-            generator=optimizer.generator,
+            generator=optimizer.generator, clip_radius=optimizer.clip_radius,
         )
 
     # ----- training hooks ----------------------------------------------------------------------

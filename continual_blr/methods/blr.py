@@ -42,6 +42,8 @@ class BLRParams:
             task added to its prior is divided by T before it becomes the next prior,
             s₀⁽ᵗ⁺¹⁾ = s₀⁽ᵗ⁾ + max(s_t − s₀⁽ᵗ⁾, 0) / T, as online Laplace's temperature (T = 1: plain sequential
             Bayes; T < 1: a colder, stronger memory). Parameters the task never moved keep their prior.
+        clip_radius: elementwise bound r on the preconditioned step S⁻¹û (None: no bound); see
+            :mod:`continual_blr.optim.blr`.
     """
 
     structure: str = "diag"
@@ -54,6 +56,7 @@ class BLRParams:
     ess_factor: float = 1.0
     predict_samples: int = 0
     temperature: float = 1.0
+    clip_radius: float | None = None
 
     def __post_init__(self) -> None:
         s = parse_enum(Structure, self.structure, "params.structure")
@@ -70,6 +73,8 @@ class BLRParams:
         if self.temperature != 1.0 and s != Structure.DIAG:
             raise ValueError("params.temperature: only 'diag' structure supports a temperature != 1 "
                              "(a Kronecker precision difference is not Kronecker)")
+        if self.clip_radius is not None and not self.clip_radius > 0:
+            raise ValueError(f"params.clip_radius: must be > 0 or null, got {self.clip_radius}")
         if self.predict_samples < 0:
             raise ValueError(f"params.predict_samples: must be >= 0, got {self.predict_samples}")
 
@@ -96,7 +101,7 @@ class BLRMethod(Method):
         init = self._initial(model, p.init_precision) if p.init_precision is not None else None
         self.optimizer = BayesianLearningRule(
             model, prior, n_data=1, lr=p.lr, rho=p.rho, beta1=p.beta1, mc_samples=p.mc_samples,
-            curvature="gauss_newton", init_precision=init, generator=self.generator,
+            curvature="gauss_newton", init_precision=init, generator=self.generator, clip_radius=p.clip_radius,
         )
 
     def make_optimizer(self, model: nn.Module, task: Task, train: TrainConfig) -> torch.optim.Optimizer:

@@ -7,9 +7,12 @@ of B, per-example losses ℓ_i and estimates at θ ~ q (or at θ = m: the *delta
     ĝ = (N/B) Σ_i ∇ℓ_i(θ)            ĥ = (N/B) Σ_i H_i(θ)          (sums scaled to the data set)
     S ← (1 − ρ) S + ρ (ĥ + S₀)                                          (precision, eq. 45)
     u ← β₁ u + (1 − β₁) (ĝ + S₀ (m − m₀))                                (optional momentum)
-    m ← m − α S⁻¹ û,   û = u / (1 − β₁ᵗ)                                 (mean, eq. 46)
+    m ← m − α clip_r(S⁻¹ û),   û = u / (1 − β₁ᵗ)                         (mean, eq. 46)
 
-ρ is the precision rate, α the mean step. With ρ = α = 1, β₁ = 0 and the exact Hessian this is a
+ρ is the precision rate, α the mean step. clip_r clips the preconditioned step elementwise to
+[−r, r] (IVON's ``clip_radius``, Shen et al. 2024; r = ∞, the default, is the plain update): in
+coordinates whose curvature is small next to a consistent gradient the Newton step S⁻¹ĝ is large,
+which a quadratic loss justifies and a network's loss far from its minimum does not. With ρ = α = 1, β₁ = 0 and the exact Hessian this is a
 Newton step on the negative log joint; for a quadratic loss (Bayesian linear regression) one step
 gives the exact posterior, and the posterior of task t used as the prior of task t+1 reproduces
 batch Bayes exactly (the test suite checks this).
@@ -85,9 +88,12 @@ def blr_precision_update(post: GaussianPosterior, prior: GaussianPosterior, h: o
     raise TypeError(f"unsupported posterior type {type(post).__name__}")
 
 
-def blr_mean_update(post: GaussianPosterior, direction: ParamDict, lr: float) -> ParamDict:
-    """m ← m − α S⁻¹ d."""
+def blr_mean_update(post: GaussianPosterior, direction: ParamDict, lr: float,
+                    clip_radius: float | None = None) -> ParamDict:
+    """m ← m − α clip_r(S⁻¹ d) (no clipping when ``clip_radius`` is None)."""
     step = post.covariance_matvec(direction)
+    if clip_radius is not None:
+        step = {k: v.clamp(-clip_radius, clip_radius) for k, v in step.items()}
     return {k: post.mean[k] - lr * step[k] for k in post.mean}
 
 
@@ -129,6 +135,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
         curvature: ``"gauss_newton"`` or ``"hessian"`` (see module docstring).
         init_precision: the posterior's starting precision; default the prior's.
         generator: the ``torch.Generator`` for weight samples.
+        clip_radius: r > 0, the elementwise bound on the preconditioned step S⁻¹û; None: no bound.
     """
 
     def __init__(
@@ -143,6 +150,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
         curvature: str = "gauss_newton",
         init_precision: GaussianPosterior | None = None,
         generator: torch.Generator | None = None,
+        clip_radius: float | None = None,
     ) -> None:
         if not isinstance(prior, GaussianPosterior):
             raise TypeError(f"prior: expected a GaussianPosterior, got {type(prior).__name__}")
@@ -156,6 +164,8 @@ class BayesianLearningRule(torch.optim.Optimizer):
             raise ValueError(f"beta1: must be in [0, 1), got {beta1}")
         if int(mc_samples) < 0:
             raise ValueError(f"mc_samples: must be >= 0, got {mc_samples}")
+        if clip_radius is not None and not clip_radius > 0:
+            raise ValueError(f"clip_radius: must be > 0 or None, got {clip_radius}")
         if curvature not in CURVATURES:
             raise ValueError(f"curvature: got {curvature!r}; allowed: {', '.join(map(repr, CURVATURES))}")
         if curvature == "hessian" and prior.structure == Structure.KRON:
@@ -174,6 +184,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
         self.curvature = curvature
         self.kron_iters = 3  # ALS sweeps per step for the Kronecker Gauss–Newton (see _kron_from_per_example_grads)
         self.generator = generator
+        self.clip_radius = clip_radius
         start = init_precision if init_precision is not None else prior
         self._post = start.with_mean(self._current_mean())
         self._momentum: ParamDict | None = None
@@ -292,7 +303,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
             self._momentum = {k: beta1 * prev[k] + (1 - beta1) * d[k] for k in d}
             d = {k: v / (1 - beta1**self._t) for k, v in self._momentum.items()}
         self._post = blr_precision_update(post, self.prior, h_avg, rho)
-        new_mean = blr_mean_update(self._post, d, lr)
+        new_mean = blr_mean_update(self._post, d, lr, self.clip_radius)
         for k, p in self._params().items():
             p.copy_(new_mean[k])
         return loss_sum / n_mc  # type: ignore[return-value]
