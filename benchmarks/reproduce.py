@@ -44,9 +44,10 @@ REFERENCES: dict[tuple[str, str, str], tuple[float, str]] = {
     ("permuted_mnist", "domain", "fromp"): (94.8, "FROMP paper / reference code README"),
     ("permuted_mnist", "domain", "vcl"): (92.7, "VCL with coreset, 10 tasks (others' run)"),
     ("split_cifar", "task", "fromp"): (76.2, "FROMP paper / reference code README"),
+    ("split_mnist", "class", "fromp-classes-all"): (33.4, "FROMP code run by others, class-incremental"),
 }
 # Canonical row order of the tables; methods not listed follow in alphabetical order.
-METHOD_ORDER = ["fromp", "frorp", "fromp-l2", "fromp-full", "fromp-kron", "ewc", "laplace", "vcl", "blr", "ivon",
+METHOD_ORDER = ["fromp", "frorp", "fromp-l2", "fromp-full", "fromp-kron", "fromp-classes-all", "ewc", "laplace", "vcl", "blr", "ivon",
                 "l2", "none", "joint"]
 NOTES_MARKER = "<!-- notes -->"
 
