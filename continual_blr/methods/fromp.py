@@ -46,7 +46,8 @@ class FROMPParams:
             classes at its points (default), or ``"all"`` the head's outputs. With ``"all"`` the
             kernels of classes the task never saw are ≈ εI (p_c ≈ 0 there, so J_{p_c} ≈ 0), K⁻¹ ≈ 1/ε
             forbids any new class from gaining probability at old points, and later tasks are not
-            learned (split digits, class scenario: 36 % vs 82 %, benchmarks/results/split_digits.md).
+            learned (split digits, class scenario: 32 % vs 82 %, benchmarks/results/split_digits.md). On
+            real split MNIST both collapse and the order flips (35.9 % vs 28.1 %, split_mnist_class.md).
         chunk_size: examples per pass of the curvature engine (None: its default).
     """
 
