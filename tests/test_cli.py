@@ -85,3 +85,23 @@ def test_cuda_unavailable_is_one_line(capsys):
     if torch.cuda.is_available():
         pytest.skip("CUDA present")
     _one_line_error(capsys, ["run", "--device", "cuda", "--epochs", "1"], "cuda")
+
+
+def test_embedded_default_matches_its_yaml_copies():
+    """The embedded default (code, so that an installed package needs no config files) and the YAML files
+    that document it must not drift apart: default.yaml's methods, and blr.yaml / fromp.yaml's params."""
+    from pathlib import Path
+
+    import yaml
+
+    from continual_blr.config import DEFAULT_CONFIG, SPLIT_DIGITS_BLR, SPLIT_DIGITS_FROMP, RunConfig, from_dict
+
+    folder = Path(__file__).resolve().parent.parent / "configs" / "split_digits"
+    load = lambda name: from_dict(RunConfig, yaml.safe_load((folder / name).read_text()))  # noqa: E731
+    default = load("default.yaml")
+    assert [(m.name, m.params) for m in default.methods] == [(m.name, m.params) for m in DEFAULT_CONFIG.methods]
+    assert (default.model, default.train) == (DEFAULT_CONFIG.model, DEFAULT_CONFIG.train)
+    assert default.stream.name == DEFAULT_CONFIG.stream.name
+    assert default.stream.scenario == (DEFAULT_CONFIG.stream.scenario or "task")  # split digits' default scenario
+    assert load("blr.yaml").methods[0].params == SPLIT_DIGITS_BLR
+    assert load("fromp.yaml").methods[0].params == SPLIT_DIGITS_FROMP

@@ -24,7 +24,6 @@ Run folders are trusted input (they are read with ``torch.load``; ``weights_only
 from __future__ import annotations
 
 import dataclasses
-import inspect as _inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,14 +135,13 @@ def run_covariance(run: SavedRun, prior_precision: float | None = None) -> tuple
     meth, model = run.method, run.model
     reg = getattr(meth, "regularizer", None)
     if reg is not None and callable(getattr(reg, "sigma", None)) and getattr(reg, "fisher", None) is not None:
-        sigma = reg.sigma(model) if _inspect.signature(reg.sigma).parameters else reg.sigma()
+        sigma = reg.sigma(model)
         form = "Kronecker factors" if not isinstance(sigma, dict) else "diag(1/(F + δ))"
         return sigma, (f"{run.method_name}'s own Σ = {form}: F the GGN accumulated over all tasks, "
                        f"δ = {reg.prior_precision:g}")
     post_fn = getattr(meth, "posterior", None)
     if callable(post_fn):
-        n_args = len(_inspect.signature(post_fn).parameters)
-        post = post_fn(model) if n_args >= 1 else post_fn()
+        post = post_fn(model)  # every method's posterior takes the model (BLR / Laplace ignore it)
         if isinstance(post, GaussianPosterior):
             return post, f"{run.method_name}'s posterior ({post.structure.value} precision, {post.dim} weights)"
     delta = DEFAULT_PRIOR_PRECISION if prior_precision is None else float(prior_precision)

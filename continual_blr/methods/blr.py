@@ -123,7 +123,9 @@ class BLRMethod(Method):
         s0 = prior.precision
         return DiagPosterior(post.mean, {k: s0[k] + (post.precision[k] - s0[k]).clamp_min(0) / t for k in post.mean})
 
-    def posterior(self) -> GaussianPosterior:
+    def posterior(self, model: nn.Module | None = None) -> GaussianPosterior:
+        """The optimiser's posterior (its mean is the model's weights; ``model`` is accepted so that every
+        method's ``posterior`` can be called the same way, as VCL's and IVON's need it)."""
         assert self.optimizer is not None
         return self.optimizer.posterior()
 

@@ -87,6 +87,6 @@ class LaplaceMethod(Method):
     def setup(self, model: nn.Module, stream: TaskStream, train: TrainConfig) -> None:
         self.regularizer.setup(model)
 
-    def posterior(self) -> GaussianPosterior | None:
-        """The carried Laplace posterior N(m_t, S_t⁻¹)."""
+    def posterior(self, model: nn.Module | None = None) -> GaussianPosterior | None:
+        """The carried Laplace posterior N(m_t, S_t⁻¹) (``model`` unused; see :meth:`BLRMethod.posterior`)."""
         return self.regularizer.posterior()
