@@ -22,12 +22,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 from tqdm.auto import tqdm
 
 from .data.stream import Task, TaskStream
 from .methods.base import Method, TrainConfig
-from .optim.blr import BayesianLearningRule
+from .optim.blr import BatchClosure, BayesianLearningRule
 from .types import Batch
 
 __all__ = ["StreamResult", "run_stream", "fit_task", "train_step", "evaluate_task", "stream_metrics"]
@@ -111,17 +110,11 @@ def _batches(tasks: list[Task], batch_size: int, generator: torch.Generator):
         yield t, Batch(t.x_train[idx], t.y_train[idx], t.head)
 
 
-def _blr_closure(model: nn.Module, method: Method, batch: Batch, task: Task):
+def _blr_closure(model: nn.Module, method: Method, batch: Batch, task: Task) -> BatchClosure:
     """closure(params) -> (per-example losses, penalty) for a BLR optimiser (see optim.blr)."""
-
-    def closure(params):
-        logits = torch.func.functional_call(model, params, (batch.x,), {"head": batch.head})
-        losses = F.cross_entropy(logits, batch.y, reduction="none")
-        if method.regularizer is None:
-            return losses
-        return losses, method.regularizer.penalty(model, batch, task, params)
-
-    return closure
+    reg = method.regularizer
+    penalty = None if reg is None else (lambda params: reg.penalty(model, batch, task, params))
+    return BatchClosure(model, batch.x, batch.y, batch.head, penalty)
 
 
 def train_step(

@@ -135,3 +135,21 @@ def test_missing_config_lists_the_available_ones(tmp_path):
     _tiny_configs(tmp_path)
     with pytest.raises(SystemExit, match="available for tiny: fromp, none"):
         reproduce.main(_args(tmp_path, "--methods", "ewc", "--seeds", "0"))
+
+
+def test_split_digits_rows_name_existing_configs_per_scenario():
+    """Every row's YAML exists; a row tuned per scenario runs its class config (scenario: class) there."""
+    spec = importlib.util.spec_from_file_location("split_digits_bench", ROOT / "benchmarks" / "split_digits.py")
+    sd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sd)
+    folder = ROOT / "configs" / "split_digits"
+    per_scenario = [r for r in sd.ROWS if r.class_config]
+    assert per_scenario, "expected rows tuned per scenario (laplace, blr)"
+    for row in sd.ROWS:
+        for scen in row.scenarios:
+            assert (folder / f"{row.config_for(scen)}.yaml").is_file()
+    for row in per_scenario:
+        assert row.config_for("task") == row.config and row.config_for("class") == row.class_config
+        cfg = from_dict(RunConfig, yaml.safe_load((folder / f"{row.class_config}.yaml").read_text()))
+        assert cfg.stream.scenario == "class"
+        assert sd.method_config(row, "class").params != sd.method_config(row, "task").params

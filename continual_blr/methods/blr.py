@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from ..data.stream import Task, TaskStream
-from ..optim.blr import BayesianLearningRule
+from ..optim.blr import CURVATURES, BayesianLearningRule
 from ..posteriors import DiagPosterior, GaussianPosterior, KronPosterior, kron_layers, load_posterior
 from ..types import Structure, parse_enum
 from .base import Method, TrainConfig
@@ -44,6 +44,11 @@ class BLRParams:
             Bayes; T < 1: a colder, stronger memory). Parameters the task never moved keep their prior.
         clip_radius: elementwise bound r on the preconditioned step S⁻¹û (None: no bound); see
             :mod:`continual_blr.optim.blr`.
+        curvature: ĥ of the step (named as in :mod:`continual_blr.optim.blr`): ``"empirical_fisher"``
+            (VOGN's squared per-example gradients, from the curvature engine), ``"ggn"`` (the exact
+            Gauss–Newton J ᵀΛJ), ``"mc_fisher"``, or ``"gauss_newton"`` (the empirical Fisher through
+            ``jacrev`` per-example gradients: the same diagonal, slower; Kronecker: nearest Kronecker
+            product instead of K-FAC).
     """
 
     structure: str = "diag"
@@ -57,9 +62,13 @@ class BLRParams:
     predict_samples: int = 0
     temperature: float = 1.0
     clip_radius: float | None = None
+    curvature: str = "empirical_fisher"
 
     def __post_init__(self) -> None:
         s = parse_enum(Structure, self.structure, "params.structure")
+        if self.curvature not in CURVATURES or self.curvature == "hessian":
+            allowed = ", ".join(repr(c) for c in CURVATURES if c != "hessian")
+            raise ValueError(f"params.curvature: got {self.curvature!r}; allowed: {allowed}")
         if s == Structure.FULL:
             raise ValueError("params.structure: 'full' is for small models; allowed here: 'diag', 'kron'")
         if not self.prior_precision > 0:
@@ -101,7 +110,7 @@ class BLRMethod(Method):
         init = self._initial(model, p.init_precision) if p.init_precision is not None else None
         self.optimizer = BayesianLearningRule(
             model, prior, n_data=1, lr=p.lr, rho=p.rho, beta1=p.beta1, mc_samples=p.mc_samples,
-            curvature="gauss_newton", init_precision=init, generator=self.generator, clip_radius=p.clip_radius,
+            curvature=p.curvature, init_precision=init, generator=self.generator, clip_radius=p.clip_radius,
         )
 
     def make_optimizer(self, model: nn.Module, task: Task, train: TrainConfig) -> torch.optim.Optimizer:

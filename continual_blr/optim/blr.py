@@ -19,17 +19,29 @@ batch Bayes exactly (the test suite checks this).
 
 Curvature estimates H_i (named, see ``types.Curvature``):
 
-* ``"gauss_newton"`` — g_i g_iᵀ from per-example gradients (VOGN's Gauss–Newton; for the log-loss
-  at the observed label this is the empirical Fisher). Diagonal: g_i²; Kronecker: the nearest
-  Kronecker product to Σ_i g_i g_iᵀ per layer (alternating least squares on the per-example
-  gradient matrices: A ← Σ_i g_iᵀ G g_i, G ← Σ_i g_i A g_iᵀ, normalised); full: dense outer products.
+* ``"gauss_newton"`` — g_i g_iᵀ from per-example gradients formed by ``torch.func.jacrev`` of any
+  closure (VOGN's Gauss–Newton; for the log-loss at the observed label this is the empirical Fisher).
+  Diagonal: g_i²; Kronecker: the nearest Kronecker product to Σ_i g_i g_iᵀ per layer (alternating
+  least squares on the per-example gradient matrices: A ← Σ_i g_iᵀ G g_i, G ← Σ_i g_i A g_iᵀ,
+  normalised); full: dense outer products.
+* ``"empirical_fisher"``, ``"ggn"``, ``"mc_fisher"`` — the curvature engine
+  (:func:`continual_blr.curvature.curvature`) on the minibatch of a :class:`BatchClosure` at θ:
+  Σ_i g_i g_iᵀ at the observed labels, the exact generalised Gauss–Newton Σ_i J_iᵀ Λ_i J_i, or the
+  Monte-Carlo Fisher (one label drawn per example from the model with the optimiser's generator).
+  Diagonal: exact (for Linear layers without per-example gradients: (g²)ᵀ(a²) per layer, which is what
+  makes the step cheap); Kronecker: K-FAC factors (A = mean ããᵀ, G = Σ g gᵀ); full: dense. The
+  diagonal ``"empirical_fisher"`` equals ``"gauss_newton"``'s (a test checks it). The empirical Fisher
+  vanishes like (1 − p)² on examples fitted with confidence p, the GGN only like p(1 − p)
+  (Kunstner et al. 2019), so a posterior built from the empirical Fisher at a well-fitted mean
+  holds the task far more loosely than the Laplace–GGN one.
 * ``"hessian"`` — the exact Hessian of Σ_i ℓ_i (``torch.func.hessian``; small models, diag / full).
 
 The closure contract (torch.optim's ``step(closure)``): ``closure(params)`` receives a ParamDict of the
 covered parameters and returns the **per-example** losses ``[B]`` computed with them (for instance
 through ``torch.func.functional_call``), or a pair ``(losses, penalty)`` where ``penalty`` is an extra
 differentiable term relative to the *mean* loss (e.g. FROMP); the penalty's gradient (times N) enters
-ĝ but not ĥ.
+ĝ but not ĥ. The engine curvatures also need the minibatch itself: pass a :class:`BatchClosure`
+(softmax cross-entropy of ``model(x, head=head)``), which is what ``continual_blr.loop`` builds.
 """
 
 from __future__ import annotations
@@ -39,15 +51,44 @@ from typing import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
-from torch.func import grad, hessian, jacrev
+from torch.func import functional_call, grad, hessian, jacrev
+from torch.nn import functional as F
 
+from ..curvature import curvature as engine_curvature
 from ..posteriors import DiagPosterior, FullPosterior, GaussianPosterior, KronPosterior, nearest_kronecker
-from ..types import ParamDict, Structure, flatten, unflatten
+from ..types import KronCurvature, ParamDict, Structure, flatten, unflatten
 
-__all__ = ["BayesianLearningRule", "VON", "VOGN", "blr_precision_update", "blr_mean_update"]
+__all__ = ["BayesianLearningRule", "BatchClosure", "VON", "VOGN", "blr_precision_update", "blr_mean_update",
+           "CURVATURES", "ENGINE_CURVATURES"]
 
 Closure = Callable[[ParamDict], "Tensor | tuple[Tensor, Tensor]"]
-CURVATURES = ("gauss_newton", "hessian")
+ENGINE_CURVATURES = ("empirical_fisher", "ggn", "mc_fisher")
+CURVATURES = ("gauss_newton", "hessian") + ENGINE_CURVATURES
+
+
+class BatchClosure:
+    """The BLR closure over one classification minibatch, exposing the batch to the curvature engine.
+
+    ``closure(params)`` returns the per-example softmax cross-entropies ℓ_i of ``model(x, head=head)``
+    evaluated with ``params`` (``torch.func.functional_call``), or ``(losses, penalty(params))`` when a
+    ``penalty`` is given (a term relative to the mean loss, e.g. a functional regulariser).
+
+    Args:
+        model: the network (``model(x, head=h) -> logits``).
+        x: inputs [B, ...].
+        y: integer labels [B].
+        head: the output head the batch uses.
+        penalty: optional ``penalty(params) -> scalar``.
+    """
+
+    def __init__(self, model: nn.Module, x: Tensor, y: Tensor, head: int = 0,
+                 penalty: Callable[[ParamDict], Tensor] | None = None) -> None:
+        self.model, self.x, self.y, self.head, self.penalty = model, x, y, int(head), penalty
+
+    def __call__(self, params: ParamDict) -> "Tensor | tuple[Tensor, Tensor]":
+        logits = functional_call(self.model, params, (self.x,), {"head": self.head})
+        losses = F.cross_entropy(logits, self.y, reduction="none")
+        return losses if self.penalty is None else (losses, self.penalty(params))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -132,7 +173,8 @@ class BayesianLearningRule(torch.optim.Optimizer):
         rho: ρ ∈ (0, 1], the precision rate.
         beta1: momentum β₁ ∈ [0, 1) on the natural-gradient direction (0 turns it off).
         mc_samples: number of weight samples θ ~ q per step; 0 is the delta method (θ = m).
-        curvature: ``"gauss_newton"`` or ``"hessian"`` (see module docstring).
+        curvature: ``"gauss_newton"``, ``"empirical_fisher"``, ``"ggn"``, ``"mc_fisher"`` or ``"hessian"``
+            (see the module docstring; the engine ones need a :class:`BatchClosure`).
         init_precision: the posterior's starting precision; default the prior's.
         generator: the ``torch.Generator`` for weight samples.
         clip_radius: r > 0, the elementwise bound on the preconditioned step S⁻¹û; None: no bound.
@@ -220,18 +262,9 @@ class BayesianLearningRule(torch.optim.Optimizer):
     def sampled_params(self, generator: torch.Generator | None = None) -> Iterator[ParamDict]:
         """Load a weight sample θ ~ q into the model for the duration of the block; the mean is
         restored in ``finally`` even if the block raises."""
-        params = self._params()
-        mean = self._current_mean()
         sample = self.posterior().sample(generator if generator is not None else self.generator)
-        try:
-            with torch.no_grad():
-                for k, p in params.items():
-                    p.copy_(sample[k])
+        with self._loaded(sample):
             yield sample
-        finally:
-            with torch.no_grad():
-                for k, p in params.items():
-                    p.copy_(mean[k])
 
     # ----- the step ----------------------------------------------------------------------------
     def _estimates(self, closure: Closure, theta: ParamDict) -> tuple[Tensor, ParamDict, object]:
@@ -245,6 +278,8 @@ class BayesianLearningRule(torch.optim.Optimizer):
             out = closure(p)
             return out[1] if isinstance(out, tuple) else torch.zeros((), dtype=out.dtype, device=out.device)
 
+        if self.curvature in ENGINE_CURVATURES:
+            return self._engine_estimates(closure, theta)
         losses = losses_fn(theta).detach()
         b = losses.shape[0]
         scale = self.n_data / b
@@ -274,6 +309,52 @@ class BayesianLearningRule(torch.optim.Optimizer):
                 blocks[w] = (scale * a, gg)
             h = (blocks, {k: scale * (per_ex[k] ** 2).sum(0) for k in post.diag})
         return losses.mean() + penalty_fn(theta).detach(), g, h
+
+    def _engine_estimates(self, closure: Closure, theta: ParamDict) -> tuple[Tensor, ParamDict, object]:
+        """(mean loss, ĝ, ĥ) at θ with ĥ from the curvature engine on the closure's minibatch.
+
+        ĝ = (N/B) ∇ Σ_i ℓ_i(θ) + N ∇ penalty(θ) by one backward pass; ĥ = (N/B) C(θ) with C the named
+        curvature (a sum over the B examples) of the model with θ loaded into its parameters.
+        """
+        if not isinstance(closure, BatchClosure):
+            raise ValueError(f"curvature: {self.curvature!r} needs a BatchClosure (the minibatch for the curvature "
+                             f"engine); got {type(closure).__name__}. Use curvature='gauss_newton' for other closures")
+        leaves = {k: v.detach().requires_grad_(True) for k, v in theta.items()}
+        out = closure(leaves)
+        losses, penalty = out if isinstance(out, tuple) else (out, None)
+        b = losses.shape[0]
+        scale = self.n_data / b
+        total = scale * losses.sum() + (self.n_data * penalty if penalty is not None else 0.0)
+        grads = torch.autograd.grad(total, [leaves[k] for k in self.names], allow_unused=True)
+        g = {k: (gk if gk is not None else torch.zeros_like(leaves[k])) for k, gk in zip(self.names, grads)}
+        structure = self._post.structure
+        with self._loaded(theta):
+            c = engine_curvature(self.model, closure.x, closure.y, kind=self.curvature, structure=structure,
+                                 head=closure.head, param_names=self.names, generator=self.generator)
+        if isinstance(c, KronCurvature):
+            h: object = ({blk.weight: (scale * blk.A, blk.G) for blk in c.blocks},
+                         {k: scale * v for k, v in c.diag.items()})
+        elif isinstance(c, dict):
+            h = {k: scale * c[k] for k in self.names}
+        else:
+            h = scale * c
+        mean_loss = losses.detach().mean() + (penalty.detach() if penalty is not None else 0.0)
+        return mean_loss, g, h
+
+    @contextlib.contextmanager
+    def _loaded(self, theta: ParamDict) -> Iterator[None]:
+        """The model's covered parameters hold ``theta`` inside the block (restored in ``finally``)."""
+        params = self._params()
+        saved = {k: p.detach().clone() for k, p in params.items()}
+        try:
+            with torch.no_grad():
+                for k, p in params.items():
+                    p.copy_(theta[k])
+            yield
+        finally:
+            with torch.no_grad():
+                for k, p in params.items():
+                    p.copy_(saved[k])
 
     @torch.no_grad()
     def step(self, closure: Closure) -> Tensor:  # type: ignore[override]
