@@ -29,7 +29,7 @@ from .methods.base import Method, TrainConfig
 from .optim.blr import BatchClosure, BayesianLearningRule
 from .types import Batch
 
-__all__ = ["StreamResult", "run_stream", "fit_task", "train_step", "evaluate_task", "stream_metrics"]
+__all__ = ["StreamResult", "DivergenceError", "run_stream", "fit_task", "train_step", "evaluate_task", "stream_metrics"]
 
 
 @dataclass
@@ -148,6 +148,10 @@ def train_step(
     return loss
 
 
+class DivergenceError(ValueError):
+    """Training produced a non-finite loss (the step size is too large for the problem)."""
+
+
 def fit_task(
     model: nn.Module,
     task: Task,
@@ -158,19 +162,28 @@ def fit_task(
     generator: torch.Generator,
     progress: bool = True,
 ) -> float:
-    """Train ``model`` on ``task`` with ``method``; returns the mean training loss of the last epoch."""
+    """Train ``model`` on ``task`` with ``method``; returns the mean training loss of the last epoch.
+
+    Raises:
+        DivergenceError: an epoch's mean training loss is not finite (checked once per epoch).
+    """
     method.on_task_start(model, task)
     optimizer = method.make_optimizer(model, task, train)
     tasks = method.train_tasks(task, seen)
     last = math.nan
     bar = tqdm(range(train.epochs), desc=f"task {task.task_id}", leave=False, disable=not progress)
-    for _ in bar:
+    for epoch in bar:
         total, n = 0.0, 0
         for t, batch in _batches(tasks, train.batch_size, generator):
             loss = train_step(model, method, optimizer, batch, t, train)
             total += float(loss.detach()) * batch.y.shape[0]
             n += batch.y.shape[0]
         last = total / max(n, 1)
+        if not math.isfinite(last):
+            raise DivergenceError(
+                f"{method.name}: the training loss on task {task.task_id} ({task.name}) became {last} in epoch "
+                f"{epoch + 1}; lower the step size (train.lr, or the method's lr) or bound it (train.grad_clip, "
+                "the BLR's clip_radius)")
         bar.set_postfix(loss=f"{last:.4f}")
     method.on_task_end(model, task, optimizer)
     return last

@@ -288,3 +288,14 @@ def test_engine_curvature_needs_batch_closure(gen):
         opt.step(closure)
     with pytest.raises(ValueError, match="curvature: got 'fisher'"):
         BayesianLearningRule(model, DiagPosterior(zeros, 2.0), n_data=100, curvature="fisher")
+
+
+def test_blr_method_curvature_is_validated_and_reaches_the_optimiser():
+    from continual_blr.methods import build_method
+
+    with pytest.raises(ValueError, match=r"params.curvature: got 'hessian'; allowed: 'gauss_newton', 'empirical_fisher'"):
+        build_method("blr", {"curvature": "hessian"})
+    model = MLP(4, (3,), 2)
+    method = build_method("blr", {"curvature": "ggn"})
+    method.setup(model, None, None)
+    assert method.optimizer.curvature == "ggn"

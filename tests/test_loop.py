@@ -109,3 +109,14 @@ def test_blr_temperature_is_diag_only():
         build_method("blr", {"structure": "kron", "temperature": 0.5})
     with pytest.raises(ValueError, match="params.temperature"):
         build_method("blr", {"temperature": 0.0})
+
+
+def test_a_diverging_run_stops_with_a_one_line_error():
+    """Adam with lr 1e30 drives the logits to inf: the loop raises instead of reporting chance accuracy."""
+    from continual_blr.loop import DivergenceError
+
+    stream = make_stream("synthetic", scenario="task", seed=0)
+    model = build_model("mlp", stream.input_shape, stream.n_outputs, stream.n_heads, hidden=(32,),
+                        generator=torch.Generator().manual_seed(0))
+    with pytest.raises(DivergenceError, match=r"none: the training loss on task 0 .* became nan in epoch 1"):
+        run_stream(model, stream, build_method("none", {}), TrainConfig(epochs=2, lr=1e30), seed=0, progress=False)
