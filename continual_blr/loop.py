@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from .data.stream import Task, TaskStream
 from .methods.base import Method, TrainConfig
 from .optim.blr import BatchClosure, BayesianLearningRule
-from .types import Batch
+from .types import Batch, DivergenceError
 
 __all__ = ["StreamResult", "DivergenceError", "run_stream", "fit_task", "train_step", "evaluate_task", "stream_metrics"]
 
@@ -146,10 +146,6 @@ def train_step(
         nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
     optimizer.step()
     return loss
-
-
-class DivergenceError(ValueError):
-    """Training produced a non-finite loss (the step size is too large for the problem)."""
 
 
 def fit_task(

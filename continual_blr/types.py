@@ -16,6 +16,7 @@ from torch import Tensor, nn
 ParamDict = dict[str, Tensor]
 
 __all__ = [
+    "DivergenceError",
     "ParamDict",
     "Batch",
     "Structure",
@@ -28,6 +29,10 @@ __all__ = [
     "KronBlock",
     "KronCurvature",
 ]
+
+
+class DivergenceError(ValueError):
+    """Training produced a non-finite loss: the step size is too large for the problem."""
 
 
 class Batch(NamedTuple):

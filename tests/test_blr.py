@@ -299,3 +299,17 @@ def test_blr_method_curvature_is_validated_and_reaches_the_optimiser():
     method = build_method("blr", {"curvature": "ggn"})
     method.setup(model, None, None)
     assert method.optimizer.curvature == "ggn"
+
+
+def test_a_non_finite_loss_stops_the_blr_step_before_the_posterior_changes(gen):
+    from continual_blr.types import DivergenceError
+
+    model, x, y = _mlp_and_batch(gen)
+    zeros = {k: torch.zeros_like(p) for k, p in model.named_parameters()}
+    opt = BayesianLearningRule(model, DiagPosterior(zeros, 2.0), n_data=100, curvature="empirical_fisher")
+    before = opt.posterior()
+    with torch.no_grad():
+        model.heads[1].weight.fill_(float("inf"))
+    with pytest.raises(DivergenceError, match="BLR step 1: the minibatch loss is not finite"):
+        opt.step(BatchClosure(model, x, y, head=1))
+    torch.testing.assert_close(opt._post.precision["body.1.weight"], before.precision["body.1.weight"])

@@ -174,3 +174,14 @@ def test_validation_errors(gen):
         KronPosterior(m, [], None, -1.0)
     with pytest.raises(ValueError, match="unflatten|vector"):
         unflatten(torch.zeros(3, dtype=DT), m)
+
+
+def test_nearest_kronecker_is_invariant_to_how_each_term_splits_its_scale(gen):
+    """A_k ⊗ G_k = (s A_k) ⊗ (G_k / s): the product returned must not depend on s, and factors of 1e20
+    (whose squared entries overflow float32) must not turn it into inf / NaN."""
+    terms = [(_spd(3, gen).float(), _spd(2, gen).float()) for _ in range(3)]
+    a, g_ = nearest_kronecker(terms)
+    ref = torch.kron(a, g_)
+    split = [(1e20 * terms[0][0], terms[0][1] / 1e20), (terms[1][0] / 1e15, 1e15 * terms[1][1]), terms[2]]
+    a2, g2 = nearest_kronecker(split)
+    torch.testing.assert_close(torch.kron(a2, g2), ref, rtol=1e-4, atol=0)

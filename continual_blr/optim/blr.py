@@ -56,7 +56,7 @@ from torch.nn import functional as F
 
 from ..curvature import curvature as engine_curvature
 from ..posteriors import DiagPosterior, FullPosterior, GaussianPosterior, KronPosterior, nearest_kronecker
-from ..types import KronCurvature, ParamDict, Structure, flatten, unflatten
+from ..types import DivergenceError, KronCurvature, ParamDict, Structure, flatten, unflatten
 
 __all__ = ["BayesianLearningRule", "BatchClosure", "VON", "VOGN", "blr_precision_update", "blr_mean_update",
            "CURVATURES", "ENGINE_CURVATURES"]
@@ -375,6 +375,11 @@ class BayesianLearningRule(torch.optim.Optimizer):
                 h_sum = h if h_sum is None else _add_curv(h_sum, h)
         g_avg = {k: v / n_mc for k, v in g_sum.items()}  # type: ignore[union-attr]
         h_avg = _scale_curv(h_sum, 1.0 / n_mc)
+        bad = "loss" if not bool(torch.isfinite(loss_sum)) else "gradient" if not _finite(g_avg) else \
+            "curvature" if not _finite(h_avg) else None
+        if bad is not None:
+            raise DivergenceError(f"BLR step {self._t + 1}: the minibatch {bad} is not finite (loss {float(loss_sum)}); "
+                                  "lower lr (α) or bound the step with clip_radius")
         # natural-gradient direction ĝ + S₀ (m − m₀)
         prior_term = self.prior.precision_matvec({k: post.mean[k] - self.prior.mean[k] for k in self.names})
         d = {k: g_avg[k] + prior_term[k] for k in self.names}
@@ -418,6 +423,17 @@ def _add_curv(a: object, b: object) -> object:
         blocks = {w: (ba[w][0] + bb[w][0], ba[w][1]) if torch.equal(ba[w][1], bb[w][1]) else nearest_kronecker([ba[w], bb[w]]) for w in ba}
         return blocks, {k: da[k] + db[k] for k in da}
     return a + b  # type: ignore[operator]
+
+
+def _finite(a: object) -> bool:
+    """Whether every number in a ParamDict, a (blocks, diag) Kronecker estimate or a tensor is finite."""
+    if isinstance(a, dict):
+        return all(_finite(v) for v in a.values())
+    if isinstance(a, tuple):
+        return all(_finite(v) for v in a)
+    if isinstance(a, Tensor):
+        return bool(torch.isfinite(a).all())
+    return True
 
 
 def _scale_curv(a: object, s: float) -> object:

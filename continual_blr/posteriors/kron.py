@@ -34,6 +34,12 @@ from .base import GaussianPosterior, randn_like
 __all__ = ["KronPosterior", "nearest_kronecker", "kron_layers"]
 
 
+def _frobenius(stack: Tensor, tiny: float) -> Tensor:
+    """‖X_k‖_F of each matrix of a stack, scaled by its largest entry first so that squares cannot overflow."""
+    peak = stack.abs().amax(dim=(1, 2)).clamp_min(tiny)
+    return peak * (stack / peak[:, None, None]).flatten(1).norm(dim=1)
+
+
 def nearest_kronecker(terms: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     """argmin_{A,G} ‖Σ_k A_k ⊗ G_k − A ⊗ G‖_F for symmetric PSD factors.
 
@@ -48,17 +54,27 @@ def nearest_kronecker(terms: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tenso
     """
     if len(terms) == 1:
         return terms[0]
+    # Work with unit-norm factors and weights w_k = ‖A_k‖‖G_k‖ / max_k(…): R = Σ_k w_k vec(Â_k) vec(Ĝ_k)ᵀ, so c is
+    # the leading eigenvector of W M_Ĝ W M_Â. Same result; the Gram products cannot overflow float32 when the
+    # precision itself is large (≈1e19 per factor would overflow ⟨A_i, A_j⟩⟨G_j, G_k⟩ directly).
     a_stack = torch.stack([a for a, _ in terms])
     g_stack = torch.stack([g for _, g in terms])
-    m_a = torch.einsum("iab,jab->ij", a_stack, a_stack)
-    m_g = torch.einsum("iab,jab->ij", g_stack, g_stack)
-    # M_G M_A is similar to the symmetric M_A^{1/2} M_G M_A^{1/2}; use the non-symmetric eig of a
-    # small K×K matrix and take the real leading eigenvector.
-    evals, evecs = torch.linalg.eig(m_g @ m_a)
+    tiny = torch.finfo(a_stack.dtype).tiny
+    a_norm, g_norm = _frobenius(a_stack, tiny), _frobenius(g_stack, tiny)
+    a_hat = a_stack / a_norm[:, None, None]
+    g_hat = g_stack / g_norm[:, None, None]
+    scale = (a_norm * g_norm).amax()
+    w = a_norm / scale * g_norm  # ≤ 1, computed without forming ‖A‖‖G‖ when that would overflow
+    m_a = torch.einsum("iab,jab->ij", a_hat, a_hat)
+    m_g = torch.einsum("iab,jab->ij", g_hat, g_hat)
+    # W M_Ĝ W M_Â is similar to a symmetric matrix; use the non-symmetric eig of this small K×K matrix and take
+    # the real leading eigenvector.
+    evals, evecs = torch.linalg.eig((w[:, None] * m_g * w[None, :]) @ m_a)
     c = evecs[:, torch.argmax(evals.real)].real
     c = c * torch.sign(c.sum())
-    a = torch.einsum("i,iab->ab", c, a_stack)
-    g = torch.einsum("i,iab->ab", torch.einsum("iab,ab->i", a_stack, a), g_stack) / (a * a).sum()
+    a = torch.einsum("i,iab->ab", c, a_hat)
+    coef = torch.einsum("iab,ab->i", a_hat, a) * w / (a * a).sum()
+    g = torch.einsum("i,iab->ab", coef, g_hat) * scale
     return a, g
 
 
