@@ -425,15 +425,21 @@ def _add_curv(a: object, b: object) -> object:
     return a + b  # type: ignore[operator]
 
 
-def _finite(a: object) -> bool:
-    """Whether every number in a ParamDict, a (blocks, diag) Kronecker estimate or a tensor is finite."""
+def _finite_flags(a: object) -> list[Tensor]:
+    """One 0-d bool tensor per tensor in a ParamDict, a (blocks, diag) Kronecker estimate or a tensor."""
     if isinstance(a, dict):
-        return all(_finite(v) for v in a.values())
+        return [f for v in a.values() for f in _finite_flags(v)]
     if isinstance(a, tuple):
-        return all(_finite(v) for v in a)
+        return [f for v in a for f in _finite_flags(v)]
     if isinstance(a, Tensor):
-        return bool(torch.isfinite(a).all())
-    return True
+        return [torch.isfinite(a).all()]
+    return []
+
+
+def _finite(a: object) -> bool:
+    """Whether every number in ``a`` is finite (one device synchronisation)."""
+    flags = _finite_flags(a)
+    return bool(torch.stack(flags).all()) if flags else True
 
 
 def _scale_curv(a: object, s: float) -> object:
