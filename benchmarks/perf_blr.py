@@ -63,12 +63,11 @@ def run(steps: int, seed: int = 0) -> dict:
                 name="t0")
     batch = Batch(x, y, 0)
     train = TrainConfig(batch_size=BATCH, lr=1e-4)
-    fns, states = {}, {}
+    fns = {}
     for structure, curv in ROWS:
         model = copy.deepcopy(base)
         method, opt = _setup("blr", {"structure": structure, "curvature": curv}, model, task, train)
         fns[f"{structure} / {curv}"] = (lambda m=model, me=method, o=opt: train_step(m, me, o, batch, task, train))
-        states[(structure, curv)] = (model, method, opt)
     model = copy.deepcopy(base)
     method, opt = _setup("none", {}, model, task, train)
     fns["adam"] = lambda: train_step(model, method, opt, batch, task, train)

@@ -269,6 +269,8 @@ class BayesianLearningRule(torch.optim.Optimizer):
     # ----- the step ----------------------------------------------------------------------------
     def _estimates(self, closure: Closure, theta: ParamDict) -> tuple[Tensor, ParamDict, object]:
         """(mean loss, ĝ, ĥ) at θ, scaled to the data set (N/B Σ_i)."""
+        if self.curvature in ENGINE_CURVATURES:
+            return self._engine_estimates(closure, theta)
 
         def losses_fn(p: ParamDict) -> Tensor:
             out = closure(p)
@@ -278,8 +280,6 @@ class BayesianLearningRule(torch.optim.Optimizer):
             out = closure(p)
             return out[1] if isinstance(out, tuple) else torch.zeros((), dtype=out.dtype, device=out.device)
 
-        if self.curvature in ENGINE_CURVATURES:
-            return self._engine_estimates(closure, theta)
         losses = losses_fn(theta).detach()
         b = losses.shape[0]
         scale = self.n_data / b
@@ -328,7 +328,8 @@ class BayesianLearningRule(torch.optim.Optimizer):
         grads = torch.autograd.grad(total, [leaves[k] for k in self.names], allow_unused=True)
         g = {k: (gk if gk is not None else torch.zeros_like(leaves[k])) for k, gk in zip(self.names, grads)}
         structure = self._post.structure
-        with self._loaded(theta):
+        # the delta method evaluates at the mean, which the model already holds
+        with contextlib.nullcontext() if self.mc_samples == 0 else self._loaded(theta):
             c = engine_curvature(self.model, closure.x, closure.y, kind=self.curvature, structure=structure,
                                  head=closure.head, param_names=self.names, generator=self.generator)
         if isinstance(c, KronCurvature):
