@@ -313,3 +313,54 @@ def test_a_non_finite_loss_stops_the_blr_step_before_the_posterior_changes(gen):
     with pytest.raises(DivergenceError, match="BLR step 1: the minibatch loss is not finite"):
         opt.step(BatchClosure(model, x, y, head=1))
     torch.testing.assert_close(opt._post.precision["body.1.weight"], before.precision["body.1.weight"])
+
+
+DEBIAS_TOL = dict(rtol=1e-12, atol=0.0)  # the same sums in float64
+
+
+@pytest.mark.parametrize("init", [1e-3, 1e4])
+def test_debiased_precision_is_the_bias_corrected_average_of_the_curvatures(gen, init):
+    """With ``debias``, S_t = Σ_k ρ(1−ρ)^{t−k} (ĥ_k + S₀) / (1 − (1−ρ)^t) whatever the starting precision,
+    and a new prior restarts the count (its first step sets S = ĥ + S₀). Oracle: the exact Hessian of
+    a squared loss on each minibatch, ĥ_k = (N/B) diag(X_kᵀX_k)/σ², written out here."""
+    x, y, sigma = _regression_data(gen, n=40, d=5)
+    n, rho, s0 = 40, 0.3, 0.7
+    model = Linear(5)
+    prior = DiagPosterior({"w": torch.zeros(5, dtype=DT)}, s0)
+    init_post = DiagPosterior({"w": torch.zeros(5, dtype=DT)}, init)
+    opt = BayesianLearningRule(model, prior, n_data=n, lr=0.1, rho=rho, curvature="hessian", init_precision=init_post,
+                               debias=True)
+    batches = list(zip(x.chunk(4), y.chunk(4)))
+    hs = [n / len(yb) * (xb**2).sum(0) / sigma**2 for xb, yb in batches]
+    for t, (xb, yb) in enumerate(batches, start=1):
+        opt.step(_closure(model, xb, yb, sigma))
+        weights = [rho * (1 - rho) ** (t - k) for k in range(1, t + 1)]
+        expected = sum(w * (h + s0) for w, h in zip(weights, hs)) / (1 - (1 - rho) ** t)
+        torch.testing.assert_close(opt.posterior().precision["w"], expected, **DEBIAS_TOL)
+    # the next task: prior = this posterior; its first step forgets the warm-start precision
+    new_prior = opt.posterior()
+    opt.set_prior(new_prior)
+    xb, yb = batches[0]
+    opt.step(_closure(model, xb, yb, sigma))
+    torch.testing.assert_close(opt.posterior().precision["w"], hs[0] + new_prior.precision["w"], **DEBIAS_TOL)
+
+
+def test_without_debias_the_precision_keeps_its_start(gen):
+    """The plain rate: S_1 = (1 − ρ) S_init + ρ (ĥ + S₀) (so the debias test above can fail)."""
+    x, y, sigma = _regression_data(gen, n=10, d=3)
+    model = Linear(3)
+    prior = DiagPosterior({"w": torch.zeros(3, dtype=DT)}, 0.7)
+    opt = BayesianLearningRule(model, prior, n_data=10, lr=0.1, rho=0.3, curvature="hessian",
+                               init_precision=DiagPosterior({"w": torch.zeros(3, dtype=DT)}, 50.0))
+    opt.step(_closure(model, x, y, sigma))
+    h = (x**2).sum(0) / sigma**2
+    torch.testing.assert_close(opt.posterior().precision["w"], 0.7 * 50.0 + 0.3 * (h + 0.7), **DEBIAS_TOL)
+
+
+def test_blr_method_precision_debias_reaches_the_optimiser():
+    from continual_blr.methods import build_method
+
+    model = MLP(4, (3,), 2)
+    method = build_method("blr", {"precision_debias": True})
+    method.setup(model, None, None)
+    assert method.optimizer.debias is True

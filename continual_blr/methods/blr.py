@@ -49,6 +49,9 @@ class BLRParams:
             Gauss–Newton J ᵀΛJ), ``"mc_fisher"``, or ``"gauss_newton"`` (the empirical Fisher through
             ``jacrev`` per-example gradients: the same diagonal, slower; Kronecker: nearest Kronecker
             product instead of K-FAC).
+        precision_debias: the bias-corrected precision rate ρ_t = ρ / (1 − (1 − ρ)ᵗ), t counted from
+            the task's start (see :mod:`continual_blr.optim.blr`): each task's first step sets
+            S = N ĥ + S₀, so ``init_precision`` only matters before that first step.
     """
 
     structure: str = "diag"
@@ -63,6 +66,7 @@ class BLRParams:
     temperature: float = 1.0
     clip_radius: float | None = None
     curvature: str = "empirical_fisher"
+    precision_debias: bool = False
 
     def __post_init__(self) -> None:
         s = parse_enum(Structure, self.structure, "params.structure")
@@ -111,6 +115,7 @@ class BLRMethod(Method):
         self.optimizer = BayesianLearningRule(
             model, prior, n_data=1, lr=p.lr, rho=p.rho, beta1=p.beta1, mc_samples=p.mc_samples,
             curvature=p.curvature, init_precision=init, generator=self.generator, clip_radius=p.clip_radius,
+            debias=p.precision_debias,
         )
 
     def make_optimizer(self, model: nn.Module, task: Task, train: TrainConfig) -> torch.optim.Optimizer:

@@ -9,7 +9,12 @@ of B, per-example losses ℓ_i and estimates at θ ~ q (or at θ = m: the *delta
     u ← β₁ u + (1 − β₁) (ĝ + S₀ (m − m₀))                                (optional momentum)
     m ← m − α clip_r(S⁻¹ û),   û = u / (1 − β₁ᵗ)                         (mean, eq. 46)
 
-ρ is the precision rate, α the mean step. clip_r clips the preconditioned step elementwise to
+ρ is the precision rate, α the mean step. With ``debias`` the rate of step t (counted from the last
+``set_prior``, i.e. from the start of the task) is ρ_t = ρ / (1 − (1 − ρ)ᵗ): Adam's bias correction
+applied to the precision, so that S is the debiased running average of ĥ + S₀ over the task's steps.
+ρ₁ = 1, so the first step of a task sets S = ĥ + S₀ whatever S was, and parameters the previous
+posterior never saw data for (a new task's head) start at their data curvature instead of at the
+prior precision, where the step S⁻¹ĝ would be (N ĥ + S₀)/S₀ times too long. clip_r clips the preconditioned step elementwise to
 [−r, r] (IVON's ``clip_radius``, Shen et al. 2024; r = ∞, the default, is the plain update): in
 coordinates whose curvature is small next to a consistent gradient the Newton step S⁻¹ĝ is large,
 which a quadratic loss justifies and a network's loss far from its minimum does not. With ρ = α = 1, β₁ = 0 and the exact Hessian this is a
@@ -178,6 +183,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
         init_precision: the posterior's starting precision; default the prior's.
         generator: the ``torch.Generator`` for weight samples.
         clip_radius: r > 0, the elementwise bound on the preconditioned step S⁻¹û; None: no bound.
+        debias: use the bias-corrected precision rate ρ_t = ρ / (1 − (1 − ρ)ᵗ) (see the module docstring).
     """
 
     def __init__(
@@ -193,6 +199,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
         init_precision: GaussianPosterior | None = None,
         generator: torch.Generator | None = None,
         clip_radius: float | None = None,
+        debias: bool = False,
     ) -> None:
         if not isinstance(prior, GaussianPosterior):
             raise TypeError(f"prior: expected a GaussianPosterior, got {type(prior).__name__}")
@@ -227,6 +234,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
         self.kron_iters = 3  # ALS sweeps per step for the Kronecker Gauss–Newton (see _kron_from_per_example_grads)
         self.generator = generator
         self.clip_radius = clip_radius
+        self.debias = bool(debias)
         start = init_precision if init_precision is not None else prior
         self._post = start.with_mean(self._current_mean())
         self._momentum: ParamDict | None = None
@@ -389,6 +397,8 @@ class BayesianLearningRule(torch.optim.Optimizer):
             prev = self._momentum if self._momentum is not None else {k: torch.zeros_like(v) for k, v in d.items()}
             self._momentum = {k: beta1 * prev[k] + (1 - beta1) * d[k] for k in d}
             d = {k: v / (1 - beta1**self._t) for k, v in self._momentum.items()}
+        if self.debias:
+            rho = rho / (1 - (1 - rho) ** self._t)
         self._post = blr_precision_update(post, self.prior, h_avg, rho)
         new_mean = blr_mean_update(self._post, d, lr, self.clip_radius)
         for k, p in self._params().items():
