@@ -31,7 +31,7 @@ class BLRParams:
     Attributes:
         structure: ``"diag"`` (VOGN) or ``"kron"`` (Kronecker BLR, Gauss–Newton projected per layer).
         prior_precision: δ of the first task's prior N(0, δ⁻¹ I).
-        init_precision: the first task's starting posterior precision (a float; default δ).
+        init_precision: the first task's starting posterior precision (a float; None: δ).
         lr: α, the mean step size.
         rho: ρ, the precision rate (1 − β₂ in VOGN's notation).
         beta1: momentum on the mean direction.

@@ -14,11 +14,13 @@ of B, per-example losses ℓ_i and estimates at θ ~ q (or at θ = m: the *delta
 applied to the precision, so that S is the debiased running average of ĥ + S₀ over the task's steps.
 ρ₁ = 1, so the first step of a task sets S = ĥ + S₀ whatever S was, and parameters the previous
 posterior never saw data for (a new task's head) start at their data curvature instead of at the
-prior precision, where the step S⁻¹ĝ would be (N ĥ + S₀)/S₀ times too long. clip_r clips the preconditioned step elementwise to
-[−r, r] (IVON's ``clip_radius``, Shen et al. 2024; r = ∞, the default, is the plain update): in
-coordinates whose curvature is small next to a consistent gradient the Newton step S⁻¹ĝ is large,
-which a quadratic loss justifies and a network's loss far from its minimum does not. With ρ = α = 1, β₁ = 0 and the exact Hessian this is a
-Newton step on the negative log joint; for a quadratic loss (Bayesian linear regression) one step
+prior precision, where the step S⁻¹ĝ would be (ĥ + S₀)/S₀ times too long.
+
+clip_r clips the preconditioned step elementwise to [−r, r] (IVON's ``clip_radius``, Shen et al.
+2024; r = ∞, the default, is the plain update): in coordinates whose curvature is small next to a
+consistent gradient the Newton step S⁻¹ĝ is large, which a quadratic loss justifies and a network's
+loss far from its minimum does not. With ρ = α = 1, β₁ = 0 and the exact Hessian this is a Newton
+step on the negative log joint; for a quadratic loss (Bayesian linear regression) one step
 gives the exact posterior, and the posterior of task t used as the prior of task t+1 reproduces
 batch Bayes exactly (the test suite checks this).
 
