@@ -303,6 +303,24 @@ def test_same_accuracy_matrix_and_state_as_run_stream(av, name):
     _assert_tree_close(method_lib.state_dict(), plugin.method.state_dict(), f"{name}.state_dict()", rtol=0, atol=0)
 
 
+def test_split_digits_blr_recipe_same_as_run_stream(av):
+    """The embedded split-digits BLR (GGN ĥ from the minibatch's BatchClosure, the debiased precision
+    rate counted from each task's start, a tempered carried prior) trains the same through the plugin:
+    bit-identical weights and posterior after two experiences."""
+    from continual_blr.config import SPLIT_DIGITS_BLR
+
+    stream = _stream()
+    init = copy.deepcopy(_model(stream).state_dict())
+    train = _train()
+    params = dict(SPLIT_DIGITS_BLR)
+    acc_lib, model_lib, method_lib = _run_library("blr", stream, init, train, params=params)
+    acc_av, model_av, plugin = _run_avalanche(av, "blr", stream, init, train, params=params)
+    assert plugin.method.optimizer.debias and plugin.method.optimizer.curvature == "ggn"
+    _assert_matrices_agree(acc_lib, acc_av)
+    _assert_tree_close(model_lib.state_dict(), model_av.state_dict(), "weights", rtol=0, atol=0)
+    _assert_tree_close(method_lib.state_dict(), plugin.method.state_dict(), "blr.state_dict()", rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name", FROMP_FAMILY or ("fromp",))
 def test_fromp_memory_and_kernels_equal_run_stream(av, name):
     """The memorable points (indices into the task's training set), the old predictions and the kernels
