@@ -519,7 +519,8 @@ def test_blr_optimizer_survives_avalanche_resets(av, structure):
 
     stream = _stream()
     benchmark = av.stream_to_benchmark(stream)
-    plugin = av.BLRPlugin("blr", {"prior_precision": 2.0, "init_precision": 4.0, "structure": structure}, seed=0)
+    plugin = av.BLRPlugin("blr", {"prior_precision": 2.0, "init_precision": 4.0, "structure": structure,
+                                  "precision_debias": True, "clip_radius": 50.0}, seed=0)
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = MTSimpleMLP(input_size=10, hidden_size=16)
@@ -532,6 +533,7 @@ def test_blr_optimizer_survives_avalanche_resets(av, structure):
             ends.append(plugin.optimizer.posterior())
     (opt0, _, _), (opt1, prior1, start1) = seen
     assert opt0 is opt1 is plugin.method.optimizer
+    assert opt1.debias and opt1.clip_radius == 50.0  # the settings survive the rebuild for the new head
     body, head1 = "model.features.0.weight", "model.classifier.classifiers.1.classifier.weight"
     end0 = ends[0].covariance_diag()
     assert head1 not in end0 and head1 in ends[1].mean

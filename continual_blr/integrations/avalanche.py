@@ -446,8 +446,8 @@ class MethodPlugin(SupervisedPlugin):
         The new parameters get the prior (and starting precision) the method gives them at the start of
         a stream — read from a shallow copy of the method set up afresh on the current model — and keep
         their freshly initialised weights as the mean; the covered parameters keep their posterior and
-        prior. The optimiser is rebuilt in place (its public constructor on the same object), so every
-        reference the method holds stays valid. Called at a task boundary, where the BLR's momentum and
+        prior. The optimiser is rebuilt in place (``BayesianLearningRule.rebuild``, all its settings kept), so
+        every reference the method holds stays valid. Called at a task boundary, where the BLR's momentum and
         step count are reset anyway (``set_prior``).
         """
         known = set(optimizer.names)
@@ -463,12 +463,7 @@ class MethodPlugin(SupervisedPlugin):
                             "after setup on the grown model; expected a BayesianLearningRule")
         prior = _join(optimizer.prior, _restrict(fresh_opt.prior, new))
         start = _join(optimizer.posterior(), _restrict(fresh_opt.posterior(), new))
-        group = optimizer.param_groups[0]
-        BayesianLearningRule.__init__(
-            optimizer, view, prior, n_data=optimizer.n_data, lr=group["lr"], rho=group["rho"], beta1=group["beta1"],
-            mc_samples=optimizer.mc_samples, curvature=optimizer.curvature, init_precision=start,
-            generator=optimizer.generator, clip_radius=optimizer.clip_radius,
-        )
+        optimizer.rebuild(view, prior, start)
 
     # ----- training hooks ----------------------------------------------------------------------
     def before_training_exp(self, strategy: Any, **kwargs: Any) -> None:

@@ -51,7 +51,7 @@ class BLRParams:
             product instead of K-FAC).
         precision_debias: the bias-corrected precision rate ρ_t = ρ / (1 − (1 − ρ)ᵗ), t counted from
             the task's start (see :mod:`continual_blr.optim.blr`): each task's first step sets
-            S = N ĥ + S₀, so ``init_precision`` only matters before that first step.
+            S = ĥ + S₀ (ĥ scaled to the data set), so ``init_precision`` only matters before that first step.
     """
 
     structure: str = "diag"

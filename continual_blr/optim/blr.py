@@ -242,6 +242,21 @@ class BayesianLearningRule(torch.optim.Optimizer):
         self._momentum: ParamDict | None = None
         self._t = 0
 
+    def rebuild(self, model: nn.Module, prior: GaussianPosterior, init_precision: GaussianPosterior) -> None:
+        """Re-initialise this optimiser in place over ``prior``'s parameters (e.g. with new heads added),
+        keeping every setting (n_data, α, ρ, β₁, samples, curvature, generator, clip_radius, debias).
+
+        References to the optimiser stay valid; momentum and step count restart, as at a task start.
+        """
+        group = self.param_groups[0]
+        kron_iters = self.kron_iters
+        BayesianLearningRule.__init__(
+            self, model, prior, n_data=self.n_data, lr=group["lr"], rho=group["rho"], beta1=group["beta1"],
+            mc_samples=self.mc_samples, curvature=self.curvature, init_precision=init_precision,
+            generator=self.generator, clip_radius=self.clip_radius, debias=self.debias,
+        )
+        self.kron_iters = kron_iters
+
     # ----- accessors ---------------------------------------------------------------------------
     def _params(self) -> dict[str, nn.Parameter]:
         named = dict(self.model.named_parameters())
