@@ -58,12 +58,12 @@ from typing import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad, hessian, jacrev
-from torch.nn import functional as F
+from torch.func import grad, hessian, jacrev
 
 from ..curvature import curvature as engine_curvature
 from ..posteriors import DiagPosterior, FullPosterior, GaussianPosterior, KronPosterior, nearest_kronecker
 from ..types import DivergenceError, KronCurvature, ParamDict, Structure, flatten, unflatten
+from .closures import BatchClosure
 
 __all__ = ["BayesianLearningRule", "BatchClosure", "VON", "VOGN", "blr_precision_update", "blr_mean_update",
            "CURVATURES", "ENGINE_CURVATURES"]
@@ -71,31 +71,6 @@ __all__ = ["BayesianLearningRule", "BatchClosure", "VON", "VOGN", "blr_precision
 Closure = Callable[[ParamDict], "Tensor | tuple[Tensor, Tensor]"]
 ENGINE_CURVATURES = ("empirical_fisher", "ggn", "mc_fisher")
 CURVATURES = ("gauss_newton", "hessian") + ENGINE_CURVATURES
-
-
-class BatchClosure:
-    """The BLR closure over one classification minibatch, exposing the batch to the curvature engine.
-
-    ``closure(params)`` returns the per-example softmax cross-entropies ℓ_i of ``model(x, head=head)``
-    evaluated with ``params`` (``torch.func.functional_call``), or ``(losses, penalty(params))`` when a
-    ``penalty`` is given (a term relative to the mean loss, e.g. a functional regulariser).
-
-    Args:
-        model: the network (``model(x, head=h) -> logits``).
-        x: inputs [B, ...].
-        y: integer labels [B].
-        head: the output head the batch uses.
-        penalty: optional ``penalty(params) -> scalar``.
-    """
-
-    def __init__(self, model: nn.Module, x: Tensor, y: Tensor, head: int = 0,
-                 penalty: Callable[[ParamDict], Tensor] | None = None) -> None:
-        self.model, self.x, self.y, self.head, self.penalty = model, x, y, int(head), penalty
-
-    def __call__(self, params: ParamDict) -> "Tensor | tuple[Tensor, Tensor]":
-        logits = functional_call(self.model, params, (self.x,), {"head": self.head})
-        losses = F.cross_entropy(logits, self.y, reduction="none")
-        return losses if self.penalty is None else (losses, self.penalty(params))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -356,7 +331,8 @@ class BayesianLearningRule(torch.optim.Optimizer):
         # the delta method evaluates at the mean, which the model already holds
         with contextlib.nullcontext() if self.mc_samples == 0 else self._loaded(theta):
             c = engine_curvature(self.model, closure.x, closure.y, kind=self.curvature, structure=structure,
-                                 head=closure.head, param_names=self.names, generator=self.generator)
+                                 likelihood=closure.likelihood, sigma=closure.sigma, head=closure.head,
+                                 param_names=self.names, generator=self.generator)
         if isinstance(c, KronCurvature):
             h: object = ({blk.weight: (scale * blk.A, blk.G) for blk in c.blocks},
                          {k: scale * v for k, v in c.diag.items()})

@@ -1,0 +1,53 @@
+"""The BLR's minibatch closure: per-example losses of one minibatch, and the minibatch itself for the
+curvature engine.
+
+``closure(params)`` follows torch.optim's ``step(closure)`` contract as the BLR uses it (see
+:mod:`continual_blr.optim.blr`): it receives a ParamDict of the covered parameters and returns the
+**per-example** negative log-likelihoods ``[B]`` computed with them, or a pair ``(losses, penalty)``
+where ``penalty`` is an extra differentiable term relative to the *mean* loss (e.g. FROMP).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from ..curvature import likelihoods as lk
+from ..types import ParamDict
+
+__all__ = ["BatchClosure"]
+
+
+class BatchClosure:
+    """The BLR closure over one minibatch, exposing the batch to the curvature engine.
+
+    ``closure(params)`` returns the per-example negative log-likelihoods ℓ_i of ``model(x, head=head)``
+    evaluated with ``params`` (``torch.func.functional_call``), or ``(losses, penalty(params))`` when a
+    ``penalty`` is given (a term relative to the mean loss, e.g. a functional regulariser).
+
+    Likelihoods (:mod:`continual_blr.curvature.likelihoods`): ``"classification"``,
+    ℓ_i = −log softmax(f_i)_{y_i}; ``"regression"``, ℓ_i = ‖f_i − y_i‖² / (2σ²) (the constant (K/2) log 2πσ² left out).
+
+    Args:
+        model: the network (``model(x, head=h) -> outputs``).
+        x: inputs [B, ...].
+        y: integer labels [B] (classification) or real targets [B] / [B, K] (regression).
+        head: the output head the batch uses.
+        penalty: optional ``penalty(params) -> scalar``.
+        likelihood: ``"classification"`` or ``"regression"``.
+        sigma: the Gaussian noise standard deviation (regression).
+    """
+
+    def __init__(self, model: nn.Module, x: Tensor, y: Tensor, head: int = 0,
+                 penalty: Callable[[ParamDict], Tensor] | None = None, likelihood: str = "classification",
+                 sigma: float = 1.0) -> None:
+        lk.check_likelihood(likelihood, sigma)
+        self.model, self.x, self.y, self.head, self.penalty = model, x, y, int(head), penalty
+        self.likelihood, self.sigma = likelihood, float(sigma)
+
+    def __call__(self, params: ParamDict) -> "Tensor | tuple[Tensor, Tensor]":
+        f = functional_call(self.model, params, (self.x,), {"head": self.head})
+        losses = lk.nll(f, self.y, self.likelihood, self.sigma)
+        return losses if self.penalty is None else (losses, self.penalty(params))
