@@ -1,4 +1,4 @@
-"""Command line: ``continual-blr run [CONFIG.yaml] [--method NAME] [--seed N] [--device D] [--out DIR]``.
+"""Command line: ``continual-blr run [CONFIG.yaml] [--method NAME] [--seed N] [--device D] [--out DIR] [--validation F]``.
 
 With no arguments ``run`` trains the embedded default — split-digits (scikit-learn's bundled 8×8
 digits, no download) with the BLR method, FROMP and the no-prior baseline — prints a table and writes
@@ -82,6 +82,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
             cfg.stream.data_dir = args.data_dir
         if args.data_dir is not None and not Path(data_dir).is_dir():
             return _fail(f"--data-dir: folder not found: {data_dir}")
+        if args.validation is not None:
+            from .data.builders import check_validation
+
+            cfg.stream.validation = check_validation(args.validation)
         if args.epochs is not None:
             cfg.train.epochs = args.epochs
         if args.quick:
@@ -93,7 +97,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
     label = " [QUICK MODE: epochs / 5]" if cfg.quick else ""
     print(f"\n{results[0].stream} ({results[0].scenario}-incremental), seed {cfg.seed}{label}")
-    print("final test accuracy (%) per task after the last task:")
+    evaluated_on = (f"validation (held-out {cfg.stream.validation:g} of each task's training data, not test)"
+                    if cfg.stream.validation else "test")
+    print(f"final {evaluated_on} accuracy (%) per task after the last task:")
     print(_format_table(results))
     print(f"\nwrote {Path(cfg.out) / 'results.json'} and {Path(cfg.out) / 'accuracy_matrix.png'}")
     return 0
@@ -132,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", help="output folder")
     run.add_argument("--data-dir", help="data root (default: $CONTINUAL_BLR_DATA or ~/.cache/continual_blr/data)")
     run.add_argument("--epochs", type=int, help="override train.epochs")
+    run.add_argument("--validation", type=float, metavar="FRACTION",
+                     help="evaluate on this held-out fraction of each task's training data instead of the test set "
+                          "(stream.validation; for choosing hyper-parameters)")
     run.add_argument("--quick", action="store_true", help="fewer epochs (epochs / 5) for smoke runs; labelled in outputs")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
     run.set_defaults(func=_cmd_run)

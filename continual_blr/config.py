@@ -36,12 +36,26 @@ class ConfigError(ValueError):
 
 @dataclass
 class StreamConfig:
-    """Which task stream: ``name`` from ``continual_blr.data.STREAMS`` plus its options."""
+    """Which task stream: ``name`` from ``continual_blr.data.STREAMS`` plus its options.
+
+    ``validation`` in [0, 1): 0 evaluates on the test set; otherwise that fraction of every task's
+    training data is held out (seeded by the run's seed) and evaluated on instead, the test set is
+    not used (``make_stream(..., validation=...)``). Hyper-parameters are chosen with it > 0.
+    """
 
     name: str = "split_digits"
     scenario: str | None = None
     data_dir: str | None = None
     options: dict = field(default_factory=dict)
+    validation: float = 0.0
+
+    def __post_init__(self) -> None:
+        from .data.builders import check_validation
+
+        try:
+            self.validation = check_validation(self.validation)
+        except ValueError as err:
+            raise ValueError(f"stream.{err}") from None
 
 
 @dataclass

@@ -42,10 +42,13 @@ def _train_for(cfg: RunConfig, overrides: dict[str, Any]) -> TrainConfig:
 
 
 def build_stream(cfg: RunConfig) -> TaskStream:
-    """The stream a config names (options passed through to the stream builder)."""
+    """The stream a config names (options passed through to the stream builder); with
+    ``stream.validation > 0`` the validation stream (evaluated on held-out training data, not test)."""
     kwargs = dict(cfg.stream.options)
     if cfg.stream.scenario is not None:
         kwargs["scenario"] = cfg.stream.scenario
+    if cfg.stream.validation:
+        kwargs["validation"] = cfg.stream.validation
     return make_stream(cfg.stream.name, data_dir=cfg.stream.data_dir, seed=cfg.seed, **kwargs)
 
 

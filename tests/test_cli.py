@@ -105,3 +105,18 @@ def test_embedded_default_matches_its_yaml_copies():
     assert default.stream.scenario == (DEFAULT_CONFIG.stream.scenario or "task")  # split digits' default scenario
     assert load("blr.yaml").methods[0].params == SPLIT_DIGITS_BLR
     assert load("fromp.yaml").methods[0].params == SPLIT_DIGITS_FROMP
+
+
+def test_validation_flag_evaluates_on_held_out_training_data(tmp_path, capsys):
+    p = tmp_path / "c.yaml"
+    p.write_text("stream: {name: synthetic, options: {n_tasks: 2, n_train: 40}}\nmodel: {hidden: [8]}\n"
+                 "train: {epochs: 1, batch_size: 20}\nmethods: [none]\n")
+    assert main(["run", str(p), "--validation", "0.25", "--out", str(tmp_path / "v"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "synthetic[validation 0.25]" in out and "final validation" in out and "final test" not in out
+    payload = json.loads((tmp_path / "v" / "results.json").read_text())
+    assert payload["config"]["stream"]["validation"] == 0.25
+    assert payload["results"][0]["stream"] == "synthetic[validation 0.25]"
+    assert main(["run", str(p), "--out", str(tmp_path / "t"), "--no-progress"]) == 0
+    assert "final test" in capsys.readouterr().out
+    _one_line_error(capsys, ["run", str(p), "--validation", "1.5"], "validation", "[0, 1)")

@@ -401,3 +401,113 @@ def test_real_mnist_sizes():
     assert torch.bincount(data.y_train).tolist()[:2] == [5923, 6742]  # published class counts
     s = D.make_stream("split_mnist", data_dir=os.environ["CONTINUAL_BLR_DATA"], download=False)
     assert sum(t.n_train for t in s) == 60000 and sum(t.y_test.numel() for t in s) == 10000
+
+
+# ----------------------------------------------------------------------------- validation streams
+
+def _rows(x: torch.Tensor, y: torch.Tensor) -> list[tuple]:
+    """Every example as a hashable (label, input values) tuple, for multiset comparisons."""
+    return [(int(label), *row.tolist()) for label, row in zip(y, x.reshape(x.shape[0], -1))]
+
+
+def _expected_held(y: torch.Tensor, fraction: float) -> dict[int, int]:
+    """Held-out count per label by the documented rule: min(round(f * n_c), n_c - 1)."""
+    counts = torch.bincount(y).tolist()
+    return {c: min(round(fraction * n), n - 1) for c, n in enumerate(counts) if n}
+
+
+@pytest.mark.parametrize("name, kwargs", [
+    ("split_digits", {"scenario": "task"}),
+    ("split_digits", {"scenario": "class"}),
+    ("permuted_digits", {"n_tasks": 3}),
+    ("synthetic", {"scenario": "domain", "n_train": 57, "n_test": 13}),
+])
+def test_validation_stream_partitions_each_tasks_training_data(name, kwargs):
+    from collections import Counter
+
+    fraction = 0.1
+    base = D.make_stream(name, seed=2, **kwargs)
+    val = D.make_stream(name, seed=2, validation=fraction, **kwargs)
+    assert val.name == f"{name}[validation 0.1]" and val.meta["validation"] == fraction
+    assert val.meta["evaluates_on"] == "validation" and "validation" not in base.meta
+    assert (val.scenario, val.n_heads, val.n_outputs, val.input_shape, len(val)) == \
+        (base.scenario, base.n_heads, base.n_outputs, base.input_shape, len(base))
+    for b, v in zip(base, val):
+        assert (v.task_id, v.head, v.classes) == (b.task_id, b.head, b.classes)
+        assert v.name == f"{b.name}[validation]"
+        kept, held, original = _rows(v.x_train, v.y_train), _rows(v.x_test, v.y_test), _rows(b.x_train, b.y_train)
+        # the held-out part and the reduced training set partition the original training set
+        assert Counter(kept) + Counter(held) == Counter(original)
+        assert v.n_train + v.y_test.numel() == b.n_train
+        # stratified sizes, computed from the original labels
+        assert dict(Counter(v.y_test.tolist())) == {c: n for c, n in _expected_held(b.y_train, fraction).items() if n}
+        if name == "synthetic":  # continuous inputs: no held-out example is a test example
+            assert not set(held) & set(_rows(b.x_test, b.y_test))
+
+
+def test_validation_stream_is_seeded_and_leaves_the_global_rng_alone():
+    state = torch.random.get_rng_state()
+    a = D.make_stream("split_digits", seed=0, validation=0.2)
+    b = D.make_stream("split_digits", seed=0, validation=0.2)
+    c = D.make_stream("split_digits", seed=1, validation=0.2)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    for ta, tb, tc in zip(a, b, c):
+        assert torch.equal(ta.x_test, tb.x_test) and torch.equal(ta.x_train, tb.x_train)
+        assert ta.y_test.numel() == tc.y_test.numel()
+    # the digits' train/test split does not move with seed, the held-out part does
+    assert any(not torch.equal(ta.x_test, tc.x_test) for ta, tc in zip(a, c))
+
+
+def test_validation_zero_is_the_plain_stream():
+    base = D.make_stream("synthetic", seed=4)
+    same = D.make_stream("synthetic", seed=4, validation=0.0)
+    assert same.name == "synthetic" and "validation" not in same.meta
+    assert all(torch.equal(p.x_test, q.x_test) for p, q in zip(base, same))
+
+
+@pytest.mark.parametrize("bad", [1.0, 1, -0.1, float("nan"), "0.1", True])
+def test_validation_outside_unit_interval_is_a_one_line_error(bad):
+    with pytest.raises(ValueError) as info:
+        D.make_stream("synthetic", validation=bad)
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith("validation:") and "[0, 1)" in msg
+
+
+def test_validation_that_holds_out_nothing_is_an_error():
+    with pytest.raises(ValueError, match="holds out none") as info:
+        D.make_stream("synthetic", n_train=4, validation=0.1)  # 2 per class: round(0.2) = 0
+    assert "\n" not in str(info.value)
+    tiny = D.make_stream("synthetic", n_train=4, validation=0.6)  # round(1.2) = 1: each class keeps one
+    assert [t.n_train for t in tiny] == [2, 2, 2] and [t.y_test.numel() for t in tiny] == [2, 2, 2]
+
+
+@pytest.mark.parametrize("name", ["split_mnist", "permuted_mnist"])
+def test_validation_stream_from_mnist_files_never_evaluates_on_test(tmp_path, name):
+    raw = _fake_mnist(tmp_path, gz=False, per_class=(10, 3))
+    kwargs = {"n_tasks": 3} if name == "permuted_mnist" else {}
+    val = D.make_stream(name, data_dir=tmp_path, download=False, seed=1, validation=0.3, **kwargs)
+    base = D.make_stream(name, data_dir=tmp_path, download=False, seed=1, **kwargs)
+    assert val.name == f"{name}[validation 0.3]"
+    test_rows = {tuple(r) for r in raw["x_test"].reshape(len(raw["x_test"]), -1).tolist()}
+    for t, (b, v) in enumerate(zip(base, val)):
+        assert v.n_train + v.y_test.numel() == b.n_train
+        # 3 of every class's 10 training images held out (split: 2 classes a task, permuted: 10)
+        assert v.y_test.numel() == 3 * len(b.classes)
+        x = (v.x_test.reshape(v.x_test.shape[0], -1) * 255).round().to(torch.uint8)
+        if t == 0:  # unpermuted: held-out images are raw training images, never test images
+            train_rows = {tuple(r) for r in raw["x_train"].reshape(len(raw["x_train"]), -1).tolist()}
+            assert all(tuple(r) in train_rows and tuple(r) not in test_rows for r in x.tolist())
+
+
+def test_stream_config_validation_field():
+    from continual_blr.config import ConfigError, RunConfig, from_dict
+    from continual_blr.runner import build_stream
+
+    cfg = from_dict(RunConfig, {"stream": {"name": "synthetic", "validation": 0.25, "options": {"n_train": 40}},
+                                "seed": 3})
+    s = build_stream(cfg)
+    assert s.meta["validation"] == 0.25 and [t.y_test.numel() for t in s] == [10, 10, 10]
+    assert torch.equal(s.tasks[1].x_test, D.make_stream("synthetic", seed=3, n_train=40, validation=0.25).tasks[1].x_test)
+    with pytest.raises(ConfigError, match=r"stream\.validation") as info:
+        from_dict(RunConfig, {"stream": {"validation": 1.5}})
+    assert "\n" not in str(info.value)

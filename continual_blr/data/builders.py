@@ -11,19 +11,27 @@ Two constructions cover every stream in this package:
 Both keep the examples in their original order and convert only the kept examples to float. With
 ``max_per_task`` (and ``max_test_per_task``) a random subset of that size is kept, drawn from the
 given ``torch.Generator``.
+
+:func:`hold_out_validation` turns any built stream into a *validation stream*: a fraction of every
+task's training data is held out (stratified by label) and becomes that task's evaluation set, the
+test set is dropped. Hyper-parameters are chosen on such streams, never on test data.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import dataclasses
+import math
+
 import torch
 from torch import Tensor
 
 from .arrays import ArraySplits, to_float
-from .stream import Task
+from .stream import Task, TaskStream
 
-__all__ = ["check_scenario", "subsample_generator", "split_tasks", "permuted_tasks", "draw_permutations"]
+__all__ = ["check_scenario", "subsample_generator", "split_tasks", "permuted_tasks", "draw_permutations",
+           "check_validation", "validation_generator", "stratified_holdout", "hold_out_validation"]
 
 
 def check_scenario(stream: str, scenario: str, allowed: Sequence[str]) -> str:
@@ -189,3 +197,72 @@ def permuted_tasks(
             parts += [to_float(xs), y[idx].to(torch.int64)]
         tasks.append(Task(t, parts[0], parts[1], parts[2], parts[3], classes, head=0, name=f"{name}/{t}"))
     return tasks
+
+
+# ----------------------------------------------------------------------------- validation streams
+
+
+def check_validation(fraction: float) -> float:
+    """Return ``fraction`` as a float if it is in [0, 1), else raise a one-line ``ValueError``."""
+    ok = isinstance(fraction, (int, float)) and not isinstance(fraction, bool) and math.isfinite(fraction)
+    if not ok or not 0.0 <= fraction < 1.0:
+        raise ValueError(f"validation: got {fraction!r}; allowed: a fraction in [0, 1) (0: no validation split)")
+    return float(fraction)
+
+
+def validation_generator(seed: int) -> torch.Generator:
+    """The generator that draws validation hold-outs: seeded from ``seed`` but a different stream of
+    draws than both a generator seeded with ``seed`` and :func:`subsample_generator` (``seed``)."""
+    return torch.Generator().manual_seed((int(seed) * 999_983 + 104_729) % (2**63 - 1))
+
+
+def stratified_holdout(y: Tensor, fraction: float, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Indices ``(keep, held_out)`` of ``y``, each sorted: per label ``c`` with ``n_c`` examples,
+    ``min(round(fraction * n_c), n_c - 1)`` drawn at random are held out (every label keeps at least
+    one example). Labels are visited in ascending order, one ``torch.randperm`` each."""
+    keep, held = [], []
+    for c in torch.unique(y).tolist():
+        idx = (y == c).nonzero().squeeze(1)
+        perm = idx[torch.randperm(idx.numel(), generator=generator)]
+        n_held = min(int(round(fraction * idx.numel())), idx.numel() - 1)
+        held.append(perm[:n_held])
+        keep.append(perm[n_held:])
+    return torch.cat(keep).sort().values, torch.cat(held).sort().values
+
+
+def hold_out_validation(stream: TaskStream, fraction: float, generator: torch.Generator) -> TaskStream:
+    """A validation stream: every task's evaluation set is a held-out part of its training data.
+
+    For every task in order, :func:`stratified_holdout` draws ``fraction`` of the task's training
+    examples (per label) from ``generator``; they become the task's ``x_test`` / ``y_test`` and are
+    removed from its training data. The task's own test set is dropped unread, so a run on the
+    returned stream (``loop.run_stream`` unchanged) reports validation accuracy and never sees test
+    data. The stream's name gains ``[validation <fraction>]``, each task's name ``[validation]``, and
+    ``meta`` gets ``validation`` (the fraction) and ``evaluates_on = "validation"``.
+
+    Args:
+        stream: a built stream (not modified; its tensors are indexed, not changed).
+        fraction: the held-out fraction of every task's training data, in [0, 1); 0 returns
+            ``stream`` itself.
+        generator: draws the held-out examples (see :func:`validation_generator`).
+
+    Returns:
+        The validation stream (same scenario, heads, shapes and classes).
+
+    Raises:
+        ValueError: ``fraction`` outside [0, 1), or a task whose hold-out would be empty.
+    """
+    fraction = check_validation(fraction)
+    if fraction == 0.0:
+        return stream
+    tasks = []
+    for task in stream.tasks:
+        keep, held = stratified_holdout(task.y_train, fraction, generator)
+        if held.numel() == 0:
+            raise ValueError(f"validation: {fraction:g} of task {task.name or task.task_id}'s {task.n_train} "
+                             "training examples holds out none; allowed: a larger fraction")
+        tasks.append(dataclasses.replace(
+            task, x_train=task.x_train[keep], y_train=task.y_train[keep],
+            x_test=task.x_train[held], y_test=task.y_train[held], name=f"{task.name}[validation]"))
+    meta = dict(stream.meta) | {"validation": fraction, "evaluates_on": "validation"}
+    return dataclasses.replace(stream, name=f"{stream.name}[validation {fraction:g}]", tasks=tasks, meta=meta)
