@@ -1,5 +1,6 @@
 """The training loop on the synthetic stream: shapes, determinism, metrics, and that a prior helps."""
 
+import copy
 import json
 import math
 
@@ -58,11 +59,27 @@ def test_result_json_roundtrip(tmp_path):
                for ra, rb in zip(r.acc_matrix, back.acc_matrix) for a, b in zip(ra, rb))
 
 
+# Class-incremental synthetic stream: 3 tasks of 2 blobs on one 6-way head, balanced test sets. A network
+# that ignores its input scores at most 0.5 on a task's test set (uniform guessing: 1/6) and at most 1/6
+# on average over the three; one that learns only the newest task scores at most ~1/3 on average.
+# Measured (model seeds 0-4): every just-trained accuracy R[i][i] >= 0.97 for both methods; BLR's final
+# average 0.90-1.0 (0.99 at seed 0), fine-tuning's forgetting 0.35-0.49, BLR's 0.0-0.135.
+JUST_TRAINED_MIN = 0.9
+BLR_AVG_MIN = 0.85
+FINE_TUNING_FORGETS_MIN = 0.2
+
+
 def test_prior_forgets_less_than_no_prior():
-    """Class-incremental synthetic stream: the BLR's posterior-as-prior forgets less than fine-tuning."""
+    """Class-incremental synthetic stream: both methods learn every task (a method that learns nothing
+    forgets nothing), fine-tuning forgets, and the BLR's posterior-as-prior forgets less than half as
+    much and keeps a high final average."""
     none = _run("none", scenario="class", epochs=5)
     blr = _run("blr", scenario="class", epochs=5)
-    assert blr.forgetting < none.forgetting
+    for r in (none, blr):
+        assert min(r.acc_matrix[i][i] for i in range(3)) >= JUST_TRAINED_MIN, (r.method, r.acc_matrix)
+    assert none.forgetting >= FINE_TUNING_FORGETS_MIN, none.acc_matrix
+    assert blr.forgetting < 0.5 * none.forgetting, (blr.forgetting, none.forgetting)
+    assert blr.avg_acc >= BLR_AVG_MIN, blr.acc_matrix
 
 
 def test_joint_trains_on_all_seen_tasks():
@@ -82,10 +99,10 @@ def test_build_method_errors():
         build_method("none", {"x": 1})
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.1])
-def test_blr_temperature_carries_the_tasks_precision_divided_by_t(temperature):
-    """At a task end the next prior's precision is s₀ + max(s − s₀, 0) / T (T = 1: the posterior itself)."""
-    from continual_blr.posteriors import DiagPosterior
+def _blr_after_task_0(temperature, snapshot_before_boundary, init=None):
+    """A diagonal BLR (δ = 2) trained on task 0 of the synthetic stream; ``snapshot_before_boundary(method)``
+    runs after the last training step, before ``on_task_end``; ``init(opt)`` runs before training."""
+    from continual_blr.loop import fit_task
 
     stream = make_stream("synthetic", scenario="task", seed=0)
     model = build_model("mlp", stream.input_shape, stream.n_outputs, stream.n_heads, hidden=(8,),
@@ -93,15 +110,71 @@ def test_blr_temperature_carries_the_tasks_precision_divided_by_t(temperature):
     method = build_method("blr", {"prior_precision": 2.0, "temperature": temperature}, seed=0)
     train = TrainConfig(epochs=1, batch_size=32, lr=1e-2)
     method.setup(model, stream, train)
-    opt = method.make_optimizer(model, stream.tasks[0], train)
-    g = torch.Generator().manual_seed(3)
-    # a posterior precision on both sides of the prior's 2.0 (below it: the clamp keeps the prior)
-    s = {k: 4.0 * torch.rand(v.shape, generator=g, dtype=v.dtype) for k, v in opt.prior.mean.items()}
-    opt._post = DiagPosterior(opt.posterior().mean, s)
-    method.on_task_end(model, stream.tasks[0], opt)
+    if init is not None:
+        init(method.optimizer)
+    end = method.on_task_end
+
+    def spy_end(model_, task, optimizer=None):
+        snapshot_before_boundary(method)
+        end(model_, task, optimizer)
+
+    method.on_task_end = spy_end
+    fit_task(model, stream.tasks[0], method, train, seen=stream.tasks[:1], generator=torch.Generator().manual_seed(0),
+             progress=False)
+    return method
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.1])
+def test_blr_temperature_carries_the_tasks_precision_divided_by_t(temperature):
+    """At a task end the next prior is N(m, s₀ + max(s − s₀, 0) / T) with m and s the posterior and s₀ the
+    prior the optimiser held when the task's training ended (copied before the boundary ran; T = 1: the
+    posterior itself). The formula is evaluated here from those copies."""
+    from continual_blr.posteriors import load_posterior
+
+    snap = {}
+
+    def before_boundary(method):
+        opt = method.optimizer
+        snap["prior"] = load_posterior(copy.deepcopy(opt.prior.state_dict()))
+        snap["post"] = load_posterior(copy.deepcopy(opt.posterior().state_dict()))
+
+    method = _blr_after_task_0(temperature, before_boundary)
+    s0, s = snap["prior"].precision, snap["post"].precision
+    for k in s:
+        torch.testing.assert_close(s0[k], torch.full_like(s0[k], 2.0), rtol=0, atol=0)  # the initial prior δ
+        # S is a running average of ĥ + s₀ started at 400 (> s₀) with ĥ ≥ 0: it never falls below s₀
+        assert bool((s[k] >= s0[k]).all()), k
+    assert max(float((s[k] - 400.0).abs().max()) for k in s) > 1.0  # training moved the precision
+    prior = method.optimizer.prior
+    for k in s:
+        expected = s0[k] + (s[k] - s0[k]).clamp_min(0.0) / temperature
+        torch.testing.assert_close(prior.precision[k], expected, rtol=1e-6, atol=0.0)
+        torch.testing.assert_close(prior.mean[k], snap["post"].mean[k], rtol=0, atol=0)
+
+
+def test_blr_temperature_keeps_the_prior_where_the_posterior_fell_below_it():
+    """The clamp of s₀ + max(s − s₀, 0) / T: a posterior precision set (through ``rebuild``) on both sides of
+    the prior's δ = 2 (T = 0.1 would make s₀ + (s − s₀)/T negative below it)."""
+    from continual_blr.posteriors import DiagPosterior
+
+    temperature = 0.1
+    snap = {}
+
+    def start_on_both_sides(opt):  # the posterior starts at s ~ U(0, 4) (rebuild's init_precision)
+        g = torch.Generator().manual_seed(3)
+        s = {k: 4.0 * torch.rand(v.shape, generator=g, dtype=v.dtype) + 1e-3 for k, v in opt.prior.mean.items()}
+        opt.rebuild(opt.model, opt.prior, DiagPosterior(opt.prior.mean, s))
+
+    def before_boundary(method):
+        snap["post"] = {k: v.clone() for k, v in method.optimizer.posterior().precision.items()}
+
+    method = _blr_after_task_0(temperature, before_boundary, init=start_on_both_sides)
+    s = snap["post"]
+    below = sum(int((v < 2.0).sum()) for v in s.values())
+    assert below > 0 and below < sum(v.numel() for v in s.values())  # both sides of s₀ = 2 at the boundary
     for k, v in s.items():
-        expected = 2.0 + (v - 2.0).clamp_min(0.0) / temperature if temperature != 1.0 else v
-        torch.testing.assert_close(opt.prior.precision[k], expected, rtol=1e-6, atol=0.0)
+        expected = 2.0 + (v - 2.0).clamp_min(0.0) / temperature
+        torch.testing.assert_close(method.optimizer.prior.precision[k], expected, rtol=1e-6, atol=0.0)
 
 
 def test_blr_temperature_is_diag_only():
