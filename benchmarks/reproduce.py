@@ -6,6 +6,7 @@ Run (real MNIST under ``--data-dir``; CPU):
     python benchmarks/reproduce.py permuted_mnist --methods fromp ewc vcl none --seeds 0 1 2 --data-dir DATA
     python benchmarks/reproduce.py split_mnist --scenario class --methods fromp none --seeds 0
     python benchmarks/reproduce.py split_digits --methods blr none --seeds 0 1 --quick   # smoke run
+    python benchmarks/reproduce.py split_mnist --methods ewc --seeds 0 1 --validation 0.1 --data-dir DATA
 
 Each (benchmark, scenario, method, seed) run reads ``configs/<benchmark>/<method>.yaml``, runs the one
 training loop, and stores its StreamResult under ``--runs-dir`` (default ``benchmarks/runs/``, not
@@ -19,6 +20,13 @@ per method. The table covers every finished run of that (benchmark, scenario, mo
 folder, not only this command's, so methods run by separate commands end up in one table; the
 commands that produced the runs are listed. Text below the ``<!-- notes -->`` line of an existing
 report (the hand-written closing note) is kept when the report is rewritten.
+
+A stored run is reused only while its method (name, params, train overrides) is the config's; after a
+config changes (e.g. a λ chosen on validation) the run is redone.
+
+``--validation F`` evaluates on ``F`` of each task's training data held out (``stream.validation``)
+instead of the test set: runs go to ``.../<full|quick>_validation<F>/``, the table to
+``..._validation.md``, titled VALIDATION and without published (test) numbers beside it.
 """
 
 from __future__ import annotations
@@ -74,6 +82,7 @@ def _load_config(benchmark: str, method: str, args: argparse.Namespace):
         cfg.stream.scenario = args.scenario
     if args.data_dir:
         cfg.stream.data_dir = args.data_dir
+    cfg.stream.validation = getattr(args, "validation", 0.0) or 0.0
     cfg.device = args.device
     cfg.quick = args.quick
     cfg.progress = not args.no_progress
@@ -88,8 +97,16 @@ def _memory_size(cfg) -> str:
     return "-"
 
 
-def _runs_folder(runs_dir: Path, benchmark: str, scenario: str, quick: bool) -> Path:
-    return runs_dir / benchmark / scenario / ("quick" if quick else "full")
+def _runs_folder(runs_dir: Path, benchmark: str, scenario: str, quick: bool, validation: float = 0.0) -> Path:
+    mode = ("quick" if quick else "full") + (f"_validation{validation:g}" if validation else "")
+    return runs_dir / benchmark / scenario / mode
+
+
+def _same_method(record: dict, cfg) -> bool:
+    """Whether a stored record was made with ``cfg``'s method (name, params, train overrides)."""
+    import dataclasses
+
+    return (record.get("config") or {}).get("method") == dataclasses.asdict(cfg.methods[0])
 
 
 def run_one(benchmark: str, method: str, seed: int, args: argparse.Namespace, runs_dir: Path, command: str = "") -> dict:
@@ -97,9 +114,13 @@ def run_one(benchmark: str, method: str, seed: int, args: argparse.Namespace, ru
     cfg = _load_config(benchmark, method, args)
     cfg.seed = seed
     scenario = cfg.stream.scenario or "default"
-    path = _runs_folder(runs_dir, benchmark, scenario, args.quick) / f"{method}_seed{seed}.json"
+    validation = cfg.stream.validation
+    path = _runs_folder(runs_dir, benchmark, scenario, args.quick, validation) / f"{method}_seed{seed}.json"
     if path.is_file() and not args.force:
-        return json.loads(path.read_text())
+        stored = json.loads(path.read_text())
+        if _same_method(stored, cfg):
+            return stored
+        tqdm.write(f"{method} seed {seed}: stored run has other method settings than {method}.yaml; rerunning")
     import torch
 
     from continual_blr.runner import run_config
@@ -109,6 +130,7 @@ def run_one(benchmark: str, method: str, seed: int, args: argparse.Namespace, ru
     t0, c0 = time.perf_counter(), time.process_time()
     result = run_config(cfg, save=False)[0]
     record = result.to_dict() | {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, "memory": _memory_size(cfg), "quick": args.quick,
+                                 "validation": validation,
                                  "method_name": method, "command": command, "load_at_start": load,
                                  "threads": torch.get_num_threads()}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -118,10 +140,11 @@ def run_one(benchmark: str, method: str, seed: int, args: argparse.Namespace, ru
     return record
 
 
-def collect_records(runs_dir: Path, benchmark: str, scenario: str, quick: bool) -> dict[str, list[dict]]:
+def collect_records(runs_dir: Path, benchmark: str, scenario: str, quick: bool,
+                    validation: float = 0.0) -> dict[str, list[dict]]:
     """Every finished run stored for (benchmark, scenario, mode), by method, seeds ascending."""
     found: dict[str, list[dict]] = {}
-    folder = _runs_folder(runs_dir, benchmark, scenario, quick)
+    folder = _runs_folder(runs_dir, benchmark, scenario, quick, validation)
     for p in sorted(folder.glob("*_seed*.json")):
         method, _, _ = p.stem.rpartition("_seed")
         found.setdefault(method, []).append(json.loads(p.read_text()))
@@ -135,10 +158,11 @@ def _mean_std(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
-def report_path(results_dir: Path, benchmark: str, scenario: str, quick: bool) -> Path:
-    """``<results_dir>/<benchmark>[_<scenario>][_quick].md`` (the benchmark's default scenario has no suffix)."""
+def report_path(results_dir: Path, benchmark: str, scenario: str, quick: bool, validation: float = 0.0) -> Path:
+    """``<results_dir>/<benchmark>[_<scenario>][_quick][_validation].md`` (the benchmark's default scenario has
+    no suffix)."""
     suffix = ("" if scenario in ("task", "domain", "default") else f"_{scenario}") + ("_quick" if quick else "")
-    return results_dir / f"{benchmark}{suffix}.md"
+    return results_dir / f"{benchmark}{suffix}{'_validation' if validation else ''}.md"
 
 
 def _verdict(mean: float, std: float, ref: float) -> str:
@@ -153,16 +177,22 @@ def write_report(benchmark: str, scenario: str, records: dict[str, list[dict]], 
                  command: str, results_dir: Path | None = None) -> Path:
     from continual_blr.plots import plot_average_accuracy
 
-    out = report_path(Path(results_dir or args.results_dir), benchmark, scenario, args.quick)
+    validation = getattr(args, "validation", 0.0) or 0.0
+    out = report_path(Path(results_dir or args.results_dir), benchmark, scenario, args.quick, validation)
     out.parent.mkdir(parents=True, exist_ok=True)
     notes = ""
     if out.is_file() and NOTES_MARKER in out.read_text():
         notes = out.read_text().split(NOTES_MARKER, 1)[1].strip("\n")
     quick = " — QUICK MODE (epochs / 5), not comparable to published numbers" if args.quick else ""
-    lines = [f"# {benchmark} ({scenario}-incremental){quick}", ""]
+    held = f" — VALIDATION ({validation:g} of each task's training data held out), not test" if validation else ""
+    lines = [f"# {benchmark} ({scenario}-incremental){quick}{held}", ""]
     if args.quick:
         lines += ["**QUICK MODE**: every method trained for epochs // 5 per task (a CPU smoke run); the numbers",
                   "below are not the protocol's and must not be compared with the published ones.", ""]
+    if validation:
+        lines += [f"**VALIDATION**: every run trained on {1 - validation:g} of each task's training data and was "
+                  f"evaluated on the held-out {validation:g} (drawn per seed), never on the test set. For choosing "
+                  "hyper-parameters; published (test) numbers are not shown.", ""]
     commands = sorted({r.get("command") or command for recs in records.values() for r in recs})
     lines += ["Produced by (runs stored under `benchmarks/runs/`, resumable):", "", "```", *commands, "```", ""]
     lines += ["| method | final avg acc (%) | seeds | scenario | memory / task | wall / run (s) | CPU / run (s) | forgetting (%) | published | ours − published |",
@@ -174,7 +204,7 @@ def write_report(benchmark: str, scenario: str, records: dict[str, list[dict]], 
         wall, _ = _mean_std([r["wall_s"] for r in recs])
         cpus = [r["cpu_s"] for r in recs if "cpu_s" in r]
         cpu = f"{_mean_std(cpus)[0]:.0f}" if cpus else "-"
-        ref = REFERENCES.get((benchmark, scenario, method))
+        ref = None if validation else REFERENCES.get((benchmark, scenario, method))
         ref_s = f"{ref[0]:.2f} ({ref[1]})" if ref else "-"
         diff = _verdict(m, s, ref[0]) if ref else "-"
         seeds = ",".join(str(r["seed"]) for r in recs)
@@ -186,7 +216,7 @@ def write_report(benchmark: str, scenario: str, records: dict[str, list[dict]], 
                   f"{min(loads):.1f}–{max(loads):.1f}, our runs at nice 10), so wall time is inflated by other users' jobs; CPU / run is "
                   "the process's own CPU time (all its threads), the better measure of cost here. Std over seeds is the sample "
                   "std (0 with one seed)."]
-    hi = HIGHER_ANCHORS.get((benchmark, scenario))
+    hi = None if validation else HIGHER_ANCHORS.get((benchmark, scenario))
     if hi:
         lines += ["", f"Higher anchor on the same protocol: {hi[1]} {hi[0]:.2f}."]
     lines += ["", "Accuracy matrices (seed of the first run, rows: after task i, columns: task j, %):", ""]
@@ -214,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", help="data root (else $CONTINUAL_BLR_DATA)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quick", action="store_true", help="epochs / 5; labelled QUICK in the outputs")
+    parser.add_argument("--validation", type=float, default=0.0, metavar="FRACTION",
+                        help="evaluate on this held-out fraction of each task's training data, not the test set; "
+                             "stored and reported apart (..._validation.md)")
     parser.add_argument("--force", action="store_true", help="rerun finished runs")
     parser.add_argument("--no-progress", action="store_true", help="no per-task / per-epoch bars inside a run")
     parser.add_argument("--runs-dir", default=str(ROOT / "benchmarks" / "runs"))
@@ -223,6 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only-this-command", action="store_true",
                         help="report only this command's runs (default: every stored run of the benchmark)")
     args = parser.parse_args(argv)
+    from continual_blr.data.builders import check_validation
+
+    try:
+        check_validation(args.validation)
+    except ValueError as err:
+        parser.error(f"--{err}")
     if args.threads:
         import torch
 
@@ -239,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         records.setdefault(method, []).append(rec)
         tqdm.write(f"{method} seed {seed}: avg acc {100 * rec['avg_acc']:.2f}%  ({rec['wall_s']:.0f} s)")
         # rewrite the report after every run: an interrupted command still leaves a current table
-        stored = records if args.only_this_command else collect_records(runs_dir, args.benchmark, scenario, args.quick)
+        stored = records if args.only_this_command else collect_records(runs_dir, args.benchmark, scenario, args.quick,
+                                                                        args.validation)
         out = write_report(args.benchmark, scenario, stored, args, command)
     print(out.read_text())
     print(f"wrote {out}")

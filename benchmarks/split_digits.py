@@ -4,6 +4,7 @@ Run (CPU, 1 torch thread; finished runs are stored under benchmarks/runs/split_d
 
     python benchmarks/split_digits.py                                       # 5 seeds, task + class, writes the table
     python benchmarks/split_digits.py --seeds 0 --methods none fromp ewc --scenarios task --no-write   # quick look
+    python benchmarks/split_digits.py --validation 0.1 --methods ewc none    # on held-out training data, not test
 
 Rows: no regulariser, the weight-space methods (L2, EWC, online EWC, Laplace, VCL, BLR, IVON), FROMP
 and its ablations (FRORP, FROMP-L2, fromp-full, fromp-kron, ``classes: all``), and joint training as
@@ -21,6 +22,11 @@ head). A finished (row, scenario, seed) is stored as JSON under
 is unchanged. The table in ``benchmarks/results/split_digits.md`` gives the final average accuracy
 (mean ± sample std over seeds), the paired difference to "none" on the same seeds, forgetting, and
 the CPU time per run.
+
+``--validation F`` runs every row on the *validation stream* instead (``F`` of each task's training
+data held out and evaluated on, the test set unused; ``stream.validation``): its runs are stored under
+``<runs-dir>/validation<F>/`` and its table goes to ``benchmarks/results/split_digits_validation.md``
+and says "validation" in its title. Hyper-parameters are chosen there (``benchmarks/search.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +49,17 @@ from continual_blr.config import MethodConfig, RunConfig, from_dict
 from continual_blr.runner import run_config
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _sibling(name: str):
+    """The module ``benchmarks/<name>.py`` (these scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", Path(__file__).resolve().parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+strength = _sibling("strength")
 CONFIGS = ROOT / "configs" / "split_digits"
 SCENARIOS = ("task", "class")
 BASE_CONFIG = "none"  # its model and train are every row's budget
@@ -143,35 +160,46 @@ def select_rows(methods: list[str] | None) -> list[Row]:
     return [r for r in ROWS if r.label in wanted_labels or r.config in wanted_stems or r.class_config in wanted_stems]
 
 
-def run_one(row: Row, scenario: str, seed: int, runs_dir: Path, force: bool = False) -> dict[str, Any]:
+def runs_folder(runs_dir: Path, validation: float = 0.0) -> Path:
+    """Where runs are stored: ``runs_dir`` for test runs, ``runs_dir/validation<F>`` for validation runs."""
+    return Path(runs_dir) / f"validation{validation:g}" if validation else Path(runs_dir)
+
+
+def run_one(row: Row, scenario: str, seed: int, runs_dir: Path, force: bool = False,
+            validation: float = 0.0) -> dict[str, Any]:
     """Run (or reload) one (row, scenario, seed).
 
     Args:
         row: the table row.
         scenario: ``"task"`` or ``"class"``.
         seed: the run's seed.
-        runs_dir: where finished runs are stored (``<runs_dir>/<scenario>/<label>_seed<seed>.json``).
+        runs_dir: where finished runs are stored (``<runs_dir>/<scenario>/<label>_seed<seed>.json``;
+            validation runs under ``<runs_dir>/validation<F>/``).
         force: rerun even if a stored run with the same method config exists.
+        validation: 0 evaluates on the test set; otherwise this fraction of each task's training data
+            is held out and evaluated on (``stream.validation``).
 
     Returns:
-        The run's ``StreamResult.to_dict()`` plus ``wall_s``, ``cpu_s``, ``label`` and ``method_config``.
+        The run's ``StreamResult.to_dict()`` plus ``wall_s``, ``cpu_s``, ``label``, ``method_config``
+        and ``validation``.
     """
     mc = method_config(row, scenario)
     key = {"name": mc.name, "params": mc.params}
-    path = runs_dir / scenario / f"{safe_label(row.label)}_seed{seed}.json"
+    path = runs_folder(runs_dir, validation) / scenario / f"{safe_label(row.label)}_seed{seed}.json"
     if path.is_file() and not force:
         rec = json.loads(path.read_text())
-        if rec.get("method_config") == key:
+        if rec.get("method_config") == key and rec.get("validation", 0.0) == validation:
             return rec
     cfg = copy.deepcopy(_load(BASE_CONFIG))  # the shared model and budget
     cfg.stream.scenario = scenario
+    cfg.stream.validation = validation
     cfg.seed = seed
     cfg.progress = False
     cfg.methods = [mc]
     t0, c0 = time.perf_counter(), time.process_time()
     res = run_config(cfg, save=False)[0]
     rec = res.to_dict() | {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
-                           "label": row.label, "config": row.config, "method_config": key}
+                           "label": row.label, "config": row.config, "method_config": key, "validation": validation}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(rec, indent=2))
@@ -211,8 +239,16 @@ def _fromp_note() -> list[str]:
     ]
 
 
+def _lam_cell(row: Row) -> str:
+    """The λ-equivalent column: EWC's λ, 1/T of the Bayesian methods (``strength.py``); task / class
+    when the row runs another config in the class scenario."""
+    cells = [strength.format_lam(strength.lam_equivalent(mc.name, mc.params))
+             for mc in (method_config(row, s) for s in row.scenarios)]
+    return " / ".join(dict.fromkeys(cells))
+
+
 def report(records: Records, seeds: list[int], wall: float, command: str, threads: int,
-           runs_dir: Path | None = None) -> str:
+           runs_dir: Path | None = None, validation: float = 0.0) -> str:
     """The markdown table and its notes.
 
     Args:
@@ -222,16 +258,24 @@ def report(records: Records, seeds: list[int], wall: float, command: str, thread
         command: the command line that produced the table.
         threads: torch threads used.
         runs_dir: where the runs are stored (named in the header; default the standard folder).
+        validation: the held-out fraction the runs were evaluated on (0: the test set).
     """
     base = _load(BASE_CONFIG)
     t = base.train
     clip = "no gradient clipping" if t.grad_clip is None else f"gradient norm clipped at {t.grad_clip:g}"
     rows = [r for r in ROWS if any((r.label, s) in records for s in SCENARIOS)]
-    runs_dir = Path(runs_dir or ROOT / "benchmarks" / "runs" / "split_digits").resolve()
+    runs_dir = runs_folder(Path(runs_dir or ROOT / "benchmarks" / "runs" / "split_digits"), validation).resolve()
     runs_shown = runs_dir.relative_to(ROOT) if runs_dir.is_relative_to(ROOT) else runs_dir
+    evaluated = "test" if not validation else f"VALIDATION: {validation:g} of each task's training data held out"
     lines = [
-        "# Split digits: all methods (final average accuracy, %)",
+        f"# Split digits: all methods (final average accuracy, %; {evaluated})",
         "",
+    ]
+    if validation:
+        lines += [f"**VALIDATION**: every run trained on {1 - validation:g} of each task's training data and was "
+                  f"evaluated on the held-out {validation:g} (drawn per seed), not on the test set. For choosing "
+                  "hyper-parameters; not comparable to the test table `split_digits.md`.", ""]
+    lines += [
         f"Produced by (runs stored under `{runs_shown}/`, not committed):",
         "",
         "```",
@@ -244,9 +288,9 @@ def report(records: Records, seeds: list[int], wall: float, command: str, thread
         f"optimiser over the same minibatches), {clip}. Task: one 2-way head per task (multi-head); class: one "
         "10-way head (single-head). Δ none: mean ± std over seeds of (row − none) on the same seed.",
         "",
-        "| method | config | task-incremental | Δ none | forgetting | class-incremental | Δ none | forgetting "
-        "| CPU / run (s) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| method | config | λ-equiv. | task-incremental | Δ none | forgetting | class-incremental | Δ none "
+        "| forgetting | CPU / run (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         cells: list[str] = []
@@ -262,7 +306,8 @@ def report(records: Records, seeds: list[int], wall: float, command: str, thread
                       _ms(diffs) if diffs and row.label != "none" else "-",
                       _ms([r["forgetting"] for r in recs])]
             cpu += [r.get("cpu_s", r["wall_s"]) for r in recs]
-        lines.append(f"| {row.label} | {_config_cell(row)} | {' | '.join(cells)} | {statistics.fmean(cpu):.1f} |")
+        lines.append(f"| {row.label} | {_config_cell(row)} | {_lam_cell(row)} | {' | '.join(cells)} "
+                     f"| {statistics.fmean(cpu):.1f} |")
     n_runs = sum(len(v) for v in records.values())
     lines += [
         "",
@@ -311,11 +356,24 @@ def main(argv: list[str] | None = None) -> int:
                     help="rows to run: a row label, or else a config stem (its rows); default: every row")
     ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     ap.add_argument("--runs-dir", default=str(ROOT / "benchmarks" / "runs" / "split_digits"))
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "split_digits.md"))
+    ap.add_argument("--out", default=None,
+                    help="table file (default benchmarks/results/split_digits.md, or split_digits_validation.md "
+                         "with --validation)")
+    ap.add_argument("--validation", type=float, default=0.0, metavar="FRACTION",
+                    help="evaluate on this held-out fraction of each task's training data instead of the test set")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--force", action="store_true", help="rerun stored runs")
     ap.add_argument("--no-write", action="store_true", help="print the table only")
     args = ap.parse_args(argv)
+    from continual_blr.data.builders import check_validation
+
+    try:
+        check_validation(args.validation)
+    except ValueError as err:
+        ap.error(f"--{err}")
+    if args.out is None:
+        name = "split_digits_validation.md" if args.validation else "split_digits.md"
+        args.out = str(ROOT / "benchmarks" / "results" / name)
     command = ("python benchmarks/split_digits.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -328,11 +386,12 @@ def main(argv: list[str] | None = None) -> int:
             if scen not in row.scenarios:
                 continue
             for seed in args.seeds:
-                rec = run_one(row, scen, seed, Path(args.runs_dir), args.force)
+                rec = run_one(row, scen, seed, Path(args.runs_dir), args.force, args.validation)
                 records.setdefault((row.label, scen), []).append(rec)
                 print(f"{row.label:32s} {scen:5s} seed {seed}: {100 * rec['avg_acc']:5.1f}%  "
                       f"({rec['wall_s']:.1f} s wall, {rec.get('cpu_s', 0):.1f} s CPU)", flush=True)
-    text = report(records, args.seeds, time.perf_counter() - t0, command, args.threads, Path(args.runs_dir))
+    text = report(records, args.seeds, time.perf_counter() - t0, command, args.threads, Path(args.runs_dir),
+                  args.validation)
     print(text)
     if not args.no_write:
         out = Path(args.out)

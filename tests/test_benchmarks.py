@@ -63,7 +63,7 @@ def _tiny_configs(root: Path) -> Path:
     folder.mkdir(parents=True)
     base = {"stream": {"name": "synthetic", "scenario": "task", "options": {"n_tasks": 2, "n_train": 40, "n_test": 20}},
             "model": {"arch": "mlp", "hidden": [8]}, "train": {"epochs": 5, "batch_size": 20, "lr": 0.01}}
-    for name, params in (("none", None), ("fromp", {"n_points": 4})):
+    for name, params in (("none", None), ("fromp", {"n_points": 4}), ("ewc", {"lam": 1.0})):
         (folder / f"{name}.yaml").write_text(yaml.safe_dump(base | {"methods": [{"name": name, **({"params": params} if params else {})}]}))
     return root / "configs"
 
@@ -133,8 +133,8 @@ def test_reference_gap_is_flagged():
 def test_missing_config_lists_the_available_ones(tmp_path):
     reproduce = _load_reproduce()
     _tiny_configs(tmp_path)
-    with pytest.raises(SystemExit, match="available for tiny: fromp, none"):
-        reproduce.main(_args(tmp_path, "--methods", "ewc", "--seeds", "0"))
+    with pytest.raises(SystemExit, match="available for tiny: ewc, fromp, none"):
+        reproduce.main(_args(tmp_path, "--methods", "l2", "--seeds", "0"))
 
 
 def test_split_digits_rows_name_existing_configs_per_scenario():
@@ -153,3 +153,119 @@ def test_split_digits_rows_name_existing_configs_per_scenario():
         cfg = from_dict(RunConfig, yaml.safe_load((folder / f"{row.class_config}.yaml").read_text()))
         assert cfg.stream.scenario == "class"
         assert sd.method_config(row, "class").params != sd.method_config(row, "task").params
+
+
+# ----------------------------------------------------------------------------- validation runs and searches
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_reproduce_validation_runs_are_stored_and_reported_apart(tmp_path):
+    reproduce = _load_reproduce()
+    _tiny_configs(tmp_path)
+    reproduce.main(_args(tmp_path, "--methods", "none", "--seeds", "0", "--validation", "0.25"))
+    assert not (tmp_path / "results" / "tiny.md").exists()
+    report = (tmp_path / "results" / "tiny_validation.md").read_text()
+    assert "VALIDATION" in report.splitlines()[0] and "not test" in report.splitlines()[0]
+    stored = json.loads((tmp_path / "runs" / "tiny" / "task" / "full_validation0.25" / "none_seed0.json").read_text())
+    assert stored["validation"] == 0.25 and stored["stream"] == "synthetic[validation 0.25]"
+    with pytest.raises(SystemExit):
+        reproduce.main(_args(tmp_path, "--methods", "none", "--seeds", "0", "--validation", "1"))
+
+
+def test_reproduce_reruns_a_stored_run_whose_config_changed(tmp_path):
+    reproduce = _load_reproduce()
+    configs = _tiny_configs(tmp_path)
+    reproduce.main(_args(tmp_path, "--methods", "ewc", "--seeds", "0"))
+    path = tmp_path / "runs" / "tiny" / "task" / "full" / "ewc_seed0.json"
+    assert json.loads(path.read_text())["config"]["method"]["params"] == {"lam": 1.0}
+    cfg = yaml.safe_load((configs / "tiny" / "ewc.yaml").read_text())
+    cfg["methods"][0]["params"]["lam"] = 50.0
+    (configs / "tiny" / "ewc.yaml").write_text(yaml.safe_dump(cfg))
+    reproduce.main(_args(tmp_path, "--methods", "ewc", "--seeds", "0"))
+    assert json.loads(path.read_text())["config"]["method"]["params"] == {"lam": 50.0}
+
+
+def _search_args(tmp_path: Path, *extra: str) -> list[str]:
+    return ["tiny", "ewc", "--configs-dir", str(tmp_path / "configs"), "--runs-dir", str(tmp_path / "runs"),
+            "--results-dir", str(tmp_path / "results"), *extra]
+
+
+def test_search_scores_on_validation_chooses_the_best_mean_and_resumes(tmp_path, monkeypatch):
+    search = _load_script("search")
+    _tiny_configs(tmp_path)
+    argv = _search_args(tmp_path, "--grid", "lam=0,1000", "--seeds", "0", "1", "--validation", "0.25",
+                        "--then-test", "2")
+    assert search.main(argv) == 0
+    out = tmp_path / "results" / "search_tiny_ewc.md"
+    report = out.read_text()
+    assert "VALIDATION 0.25" in report.splitlines()[0] and "python benchmarks/search.py tiny ewc" in report
+    runs = tmp_path / "runs" / "tiny" / "ewc" / "task"
+    val = {lam: [json.loads((runs / "full_validation0.25" / f"lam={lam}_seed{s}.json").read_text()) for s in (0, 1)]
+           for lam in ("0", "1000")}
+    for lam, recs in val.items():
+        assert all(r["stream"] == "synthetic[validation 0.25]" and r["validation"] == 0.25 for r in recs)
+        assert [r["params"]["lam"] for r in recs] == [float(lam)] * 2
+    means = {lam: sum(r["avg_acc"] for r in recs) / 2 for lam, recs in val.items()}
+    best = max(means, key=lambda k: (means[k], k == "0"))  # ties: the first grid point
+    assert f"**Choice: lam={best}**" in report
+    assert f"| **lam={best}** |" in report and f"{100 * means[best]:.2f} ±" in report
+    test = json.loads((runs / "full_test" / f"lam={best}_seed2.json").read_text())
+    assert test["stream"] == "synthetic" and test["validation"] == 0.0 and test["seed"] == 2
+    assert f"{100 * test['avg_acc']:.2f} ± 0.00 | 1 (2)" in report
+
+    import continual_blr.runner as runner
+
+    def boom(*a, **k):
+        raise AssertionError("a finished run was rerun")
+
+    monkeypatch.setattr(runner, "run_config", boom)
+    assert search.main(argv) == 0  # every run is stored: nothing reruns
+    with pytest.raises(AssertionError, match="rerun"):  # another validation fraction is another run
+        search.main(_search_args(tmp_path, "--grid", "lam=0", "--seeds", "0", "--validation", "0.5"))
+
+
+def test_search_rejects_bad_grids_and_test_scoring(tmp_path):
+    search = _load_script("search")
+    _tiny_configs(tmp_path)
+    with pytest.raises(SystemExit, match="no param 'lamda'.*allowed: lam"):
+        search.main(_search_args(tmp_path, "--grid", "lamda=1,2"))
+    with pytest.raises(SystemExit, match="lam: not a number"):
+        search.main(_search_args(tmp_path, "--grid", "lam=1,big"))
+    with pytest.raises(SystemExit, match="KEY=V1,V2"):
+        search.main(_search_args(tmp_path, "--grid", "lam"))
+    with pytest.raises(SystemExit):  # validation 0 would score on the test set
+        search.main(_search_args(tmp_path, "--grid", "lam=1", "--validation", "0"))
+    assert search.grid_points({"a": [1, 2], "b": ["x", "y"]}) == [
+        {"a": 1, "b": "x"}, {"a": 1, "b": "y"}, {"a": 2, "b": "x"}, {"a": 2, "b": "y"}]
+    assert search.choose([[0.5, 0.7], [0.6, 0.6], [0.1, 0.2]]) == 0  # equal means: the first
+    assert search.report_path(Path("r"), "split_digits", "laplace_class", "class", False).name == \
+        "search_split_digits_laplace_class.md"
+    assert search.report_path(Path("r"), "split_digits", "ewc", "class", False).name == "search_split_digits_ewc_class.md"
+
+
+def test_lam_equivalent_maps_temperatures_to_ewc_lambda():
+    strength = _load_script("strength")
+    assert strength.lam_equivalent("ewc", {"lam": 300.0}) == 300.0
+    assert strength.lam_equivalent("ewc", {}) == 1000.0  # EWC's default
+    assert strength.lam_equivalent("laplace", {"temperature": 0.04}) == pytest.approx(25.0)
+    assert strength.lam_equivalent("blr", {"temperature": 0.5}) == pytest.approx(2.0)
+    assert strength.lam_equivalent("vcl") == 1.0 and strength.lam_equivalent("none") == 0.0
+    assert strength.lam_equivalent("l2", {"lam": 3.0}) is None and strength.lam_equivalent("fromp") is None
+    assert [strength.format_lam(v) for v in (None, 1e4, 33.333, 0.1, 1e-4)] == ["-", "10000", "33.3", "0.1", "0.0001"]
+
+
+def test_split_digits_validation_runs_are_stored_apart(tmp_path):
+    sd = _load_script("split_digits")
+    row = sd.Row("none", "none")
+    rec = sd.run_one(row, "task", 0, tmp_path, validation=0.1)
+    assert rec["stream"] == "split_digits[validation 0.1]" and rec["validation"] == 0.1
+    assert (tmp_path / "validation0.1" / "task" / "none_seed0.json").is_file()
+    assert not (tmp_path / "task").exists()
+    text = sd.report({("none", "task"): [rec]}, [0], 0.0, "cmd", 1, tmp_path, validation=0.1)
+    assert "VALIDATION" in text.splitlines()[0]
