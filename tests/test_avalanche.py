@@ -428,11 +428,14 @@ def test_joint_is_refused_at_its_second_experience(av):
 # ----------------------------------------------------------------------------------------------
 # Avalanche-native models: heads added mid-stream; BLR optimisers across experiences
 # ----------------------------------------------------------------------------------------------
+MULTIHEAD_JUST_TRAINED_MIN = 0.8
+
+
 @pytest.mark.parametrize("name", RUNNABLE)
 def test_multihead_heads_added_mid_stream(av, name, tmp_path):
     """MTSimpleMLP (MultiHeadClassifier) on a task-labelled stream: Avalanche adds head t at experience t.
-    Every plugin trains end to end, every new head is trained, and EvaluationPlugin's accuracy /
-    forgetting metrics and a text logger work alongside."""
+    Every plugin trains end to end, every new head is trained and learns its experience, and
+    EvaluationPlugin's accuracy / forgetting metrics and a text logger work alongside."""
     _require(name)
     from avalanche.core import SupervisedPlugin
     from avalanche.evaluation.metrics import accuracy_metrics, forgetting_metrics
@@ -461,7 +464,7 @@ def test_multihead_heads_added_mid_stream(av, name, tmp_path):
         torch.manual_seed(0)
         model = MTSimpleMLP(input_size=10, hidden_size=16)
         strategy = Naive(
-            model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.01), train_mb_size=50, train_epochs=1,
+            model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.01), train_mb_size=50, train_epochs=5,
             plugins=[plugin, HeadSpy()],
             evaluator=EvaluationPlugin(accuracy_metrics(experience=True, stream=True),
                                        forgetting_metrics(experience=True, stream=True), loggers=[TextLogger(log)]),
@@ -471,31 +474,69 @@ def test_multihead_heads_added_mid_stream(av, name, tmp_path):
             for i, experience in enumerate(benchmark.train_stream):
                 strategy.train(experience)
                 results.append(strategy.eval(benchmark.test_stream[: i + 1]))
-        except KeyError as err:  # known limitation outside this integration, reported to the FROMP code
-            if _raised_in(err, "functional.py", "_accumulate_curvature"):
-                pytest.xfail("FunctionalRegularizer._accumulate_curvature: self.fisher[k] fails for parameters "
-                             f"added after the first task (a new head: {err})")
-            raise
         finally:
             log.close()
     assert heads_seen == [["0"], ["0", "1"], ["0", "1", "2"]]
     assert moved == [True, True, True]
     acc = av.accuracy_matrix(results)
-    assert all(0.0 <= acc[i][j] <= 1.0 for i in range(3) for j in range(i + 1))
+    # each experience is two blobs with a balanced test set on its own 2-way head: an input-blind
+    # predictor scores 0.5 there; measured at 5 epochs, every method's just-trained accuracy is 1.0
+    assert min(acc[i][i] for i in range(3)) >= MULTIHEAD_JUST_TRAINED_MIN, acc
     assert "StreamForgetting/eval_phase/test_stream" in results[-1]
     assert "Top1_Acc_Exp/eval_phase/test_stream/Task002/Exp002" in (tmp_path / "log.txt").read_text()
     if isinstance(plugin.optimizer, BayesianLearningRule):  # the BLR now covers every head, old ones unchanged
         assert {n for n, _ in plugin.view.named_parameters()} == set(plugin.optimizer.names)
 
 
-def _raised_in(err: BaseException, filename: str, function: str) -> bool:
-    tb = err.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if code.co_filename.endswith(filename) and code.co_name == function:
-            return True
-        tb = tb.tb_next
-    return False
+@pytest.mark.parametrize("kernel", ["classwise", "full"])
+def test_fromp_curvature_of_a_head_added_after_the_first_task(kernel):
+    """FunctionalRegularizer._accumulate_curvature on a model that gains a head after task 0 (what
+    Avalanche's MultiHeadClassifier does): the new head gets a curvature entry, equal to task 1's GGN
+    diagonal alone (task 0 never reached it); the old head keeps task 0's (task 1 does not reach it); the
+    shared layer holds the sum. Before the new head's task ends, Σ there is the prior variance 1/δ.
+    Oracle: the dense float64 GGN by one backward per example and output (tests/oracles.py).
+    (The old code indexed ``self.fisher[k]`` with the new head's names: KeyError.)"""
+    import oracles as O
+    from continual_blr.data.stream import Task
+    from continual_blr.regularizers.functional import FunctionalRegularizer
+    from continual_blr.types import params_of
+
+    dt, delta = torch.float64, 0.3
+    g = torch.Generator().manual_seed(0)
+    model = build_model("mlp", (3,), 2, 1, hidden=(4,), generator=g).to(dt).eval()
+
+    def task(t):
+        x = torch.randn(6, 3, generator=g, dtype=dt)
+        y = torch.arange(6) % 2
+        return Task(t, x, y, x, y, (0, 1), head=t, name=f"t{t}")
+
+    def ggn_diag(t):
+        d = torch.diagonal(O.ggn(model, t.x_train, head=t.head))
+        return dict(zip(params_of(model), d.split([p.numel() for p in params_of(model).values()])))
+
+    def perturb():  # "training" moves every weight
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.5 * torch.randn(p.shape, generator=g, dtype=dt))
+
+    reg = FunctionalRegularizer(n_points=2, prior_precision=delta, kernel=kernel)
+    t0, t1 = task(0), task(1)
+    perturb()
+    f0 = ggn_diag(t0)
+    reg.on_task_end(model, t0)
+    model.heads.append(torch.nn.Linear(4, 2).to(dt))
+    new = ("heads.1.weight", "heads.1.bias")
+    sigma = reg.sigma(model)
+    for k in new:  # no task has reached the new head yet: zero curvature, the prior variance
+        torch.testing.assert_close(sigma[k], torch.full_like(sigma[k], 1.0 / delta), rtol=1e-12, atol=0)
+    perturb()
+    f1 = ggn_diag(t1)
+    reg.on_task_end(model, t1)
+    assert set(reg.fisher) == set(params_of(model))
+    for k, p in params_of(model).items():
+        want = f1[k] + (f0[k] if k in f0 else 0.0)
+        torch.testing.assert_close(reg.fisher[k], want.reshape(p.shape), rtol=1e-10, atol=1e-12, msg=k)
+    assert float(reg.fisher["heads.1.weight"].abs().sum()) > 0 and float(reg.fisher["heads.0.weight"].abs().sum()) > 0
 
 
 @pytest.mark.parametrize("structure", ["diag", "kron"])
@@ -605,7 +646,10 @@ def test_example_script_runs_on_generated_mnist(av, tmp_path):
     name = "fromp" if "fromp" in METHODS else "none"
     params = '{"n_points": 4}' if name == "fromp" else "{}"
     main = runpy.run_path(str(ROOT / "examples" / "avalanche_split_mnist.py"))["main"]
-    acc = main(["--data-dir", str(root), "--method", name, "--params", params, "--epochs", "1", "--hidden", "16",
+    acc = main(["--data-dir", str(root), "--method", name, "--params", params, "--epochs", "3", "--lr", "0.01", "--hidden", "16",
                 "--batch-size", "16", "--device", "cpu", "--log-dir", str(tmp_path / "logs")])
-    assert len(acc) == 5 and all(0.0 <= acc[4][j] <= 1.0 for j in range(5))
+    # each experience: two digit prototypes plus noise, 10 + 10 test images on its own 2-way head (an
+    # input-blind predictor: 0.5). Measured (fromp, 3 epochs, Adam 0.01): every R[i][i] 1.0, final average 0.9
+    assert len(acc) == 5 and min(acc[i][i] for i in range(5)) >= 0.8, acc
+    assert sum(acc[4]) / 5 >= 0.7, acc
     assert {"log.txt", "training_results.csv", "eval_results.csv"} <= {p.name for p in (tmp_path / "logs").iterdir()}
