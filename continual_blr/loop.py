@@ -4,7 +4,8 @@ Every method and benchmark goes through :func:`fit_task` and :func:`run_stream`;
 answer the loop's questions (see ``continual_blr.methods.base.Method``).
 
 Metrics (Lopez-Paz & Ranzato 2017; Chaudhry et al. 2018), with R[i, j] the test accuracy on task j
-after training task i and T tasks:
+after training task i and T tasks (for a regression stream R[i, j] is the test R², see
+:func:`evaluate_task`, and the same formulas apply):
 
     average accuracy   A = (1/T) Σ_j R[T−1, j]
     backward transfer  BWT = (1/(T−1)) Σ_{j<T−1} (R[T−1, j] − R[j, j])
@@ -25,7 +26,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .data.stream import Task, TaskStream
-from .methods.base import Method, TrainConfig
+from .methods.base import Method, TrainConfig, register_fit_task
 from .optim.blr import BatchClosure, BayesianLearningRule
 from .types import Batch, DivergenceError
 
@@ -82,10 +83,22 @@ def stream_metrics(acc: list[list[float]]) -> dict[str, Any]:
 
 @torch.no_grad()
 def evaluate_task(model: nn.Module, method: Method, task: Task, batch_size: int = 1024) -> float:
-    """Test accuracy of ``method``'s predictions on ``task`` (its own head)."""
+    """The score of ``method``'s predictions on ``task``'s test set (its own head); higher is better.
+
+    Classification (``method.likelihood``): the accuracy of argmax ``method.predict_proba``.
+    Regression: the coefficient of determination of the predictive mean ŷ = ``method.predict_mean``,
+
+        R² = 1 − Σ_i ‖y_i − ŷ_i‖² / Σ_i ‖y_i − ȳ‖²,      ȳ = the test targets' mean,
+
+    1 for a perfect fit, 0 for predicting ȳ (negative when worse), so the accuracy matrix and its
+    average / forgetting / BWT read the same way. Returns NaN for a regression task whose test targets
+    are all equal (the denominator is 0).
+    """
     was_training = model.training
     model.eval()
     try:
+        if method.likelihood == "regression":
+            return _r_squared(model, method, task, batch_size)
         correct = 0
         for start in range(0, task.x_test.shape[0], batch_size):
             x = task.x_test[start : start + batch_size]
@@ -95,6 +108,19 @@ def evaluate_task(model: nn.Module, method: Method, task: Task, batch_size: int 
         return correct / max(1, task.x_test.shape[0])
     finally:
         model.train(was_training)
+
+
+def _r_squared(model: nn.Module, method: Method, task: Task, batch_size: int) -> float:
+    """R² of the predictive mean on the task's test set (see :func:`evaluate_task`)."""
+    y_all = task.y_test.to(torch.float64)
+    y_all = y_all.reshape(y_all.shape[0], -1)
+    sse = 0.0
+    for start in range(0, task.x_test.shape[0], batch_size):
+        f = method.predict_mean(model, task.x_test[start : start + batch_size], task.head).to(torch.float64)
+        y = y_all[start : start + batch_size]
+        sse += float(((f.reshape(y.shape) - y) ** 2).sum())
+    sst = float(((y_all - y_all.mean(0)) ** 2).sum())
+    return 1.0 - sse / sst if sst > 0 else math.nan
 
 
 def _batches(tasks: list[Task], batch_size: int, generator: torch.Generator):
@@ -111,10 +137,12 @@ def _batches(tasks: list[Task], batch_size: int, generator: torch.Generator):
 
 
 def _blr_closure(model: nn.Module, method: Method, batch: Batch, task: Task) -> BatchClosure:
-    """closure(params) -> (per-example losses, penalty) for a BLR optimiser (see optim.blr)."""
+    """closure(params) -> (per-example losses, penalty) for a BLR optimiser (see optim.blr), with the
+    method's likelihood (the curvature engine gets it from the closure)."""
     reg = method.regularizer
     penalty = None if reg is None else (lambda params: reg.penalty(model, batch, task, params))
-    return BatchClosure(model, batch.x, batch.y, batch.head, penalty)
+    return BatchClosure(model, batch.x, batch.y, batch.head, penalty, likelihood=method.likelihood,
+                        sigma=method.sigma)
 
 
 def train_step(
@@ -200,7 +228,7 @@ def run_stream(
 
     Args:
         model: the network (moved to ``device``); called as ``model(x, head=h)``.
-        stream: the tasks.
+        stream: the tasks (and their likelihood, handed to ``method.use_likelihood``).
         method: the continual-learning method (its state carries the past between tasks).
         train: per-task training settings.
         seed: seeds the minibatch order (a ``torch.Generator``; no global RNG is touched).
@@ -216,6 +244,7 @@ def run_stream(
     model.train()
     tasks = [t.to(device) for t in stream.tasks]
     generator = torch.Generator().manual_seed(seed)
+    method.use_likelihood(stream.likelihood, stream.sigma)  # before setup: subclasses' setup may not call super
     method.setup(model, stream, train)
     n = len(tasks)
     acc = [[math.nan] * n for _ in range(n)]
@@ -240,3 +269,6 @@ def run_stream(
         config=config or {},
         **metrics,
     )
+
+
+register_fit_task(fit_task)  # methods train auxiliary models through this loop (methods.base.fit_auxiliary)

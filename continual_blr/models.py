@@ -83,20 +83,23 @@ class CifarNet(MultiHeadNet):
 
 def build_model(arch: str, input_shape: tuple[int, ...], n_outputs: int, n_heads: int,
                 hidden: tuple[int, ...] = (100, 100), generator: torch.Generator | None = None) -> nn.Module:
-    """Build a network by name (``"mlp"`` or ``"cifarnet"``), initialised from ``generator``.
+    """Build a network by name (``"mlp"``, ``"linear"`` or ``"cifarnet"``), initialised from ``generator``.
+
+    ``"linear"`` is the MLP without hidden layers (``hidden`` ignored): f(x) = W_h x + b_h on the
+    flattened input, one Linear head per task — Bayesian linear regression's model.
 
     Initialisation draws from ``generator`` (PyTorch's default schemes) so that no global RNG state
     is read or changed.
     """
-    if arch == "mlp":
+    if arch in ("mlp", "linear"):
         n_in = 1
         for d in input_shape:
             n_in *= d
-        model: nn.Module = MLP(n_in, tuple(hidden), n_outputs, n_heads)
+        model: nn.Module = MLP(n_in, tuple(hidden) if arch == "mlp" else (), n_outputs, n_heads)
     elif arch == "cifarnet":
         model = CifarNet(input_shape[0], n_outputs, n_heads, image_size=input_shape[-1])
     else:
-        raise ValueError(f"arch: got {arch!r}; allowed: 'mlp', 'cifarnet'")
+        raise ValueError(f"arch: got {arch!r}; allowed: 'mlp', 'linear', 'cifarnet'")
     if generator is not None:
         _reinit(model, generator)
     return model

@@ -11,6 +11,12 @@ Label conventions by scenario:
   class ids, ``head == 0``.
 * ``"domain"`` (domain-incremental, e.g. permuted MNIST): one head, the same label set in every task,
   ``head == 0``.
+
+The stream also names its likelihood (``TaskStream.likelihood``, checked by
+:func:`continual_blr.curvature.likelihoods.check_likelihood`): ``"classification"`` (softmax
+cross-entropy on int64 labels, the default) or ``"regression"`` (a Gaussian with noise standard
+deviation ``TaskStream.sigma`` on float targets ``y`` of shape [N] or [N, K]). Every method trains and
+is evaluated with it (see ``continual_blr.methods.base`` and ``continual_blr.loop``).
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from ..curvature.likelihoods import check_likelihood
 
 __all__ = ["Task", "TaskStream", "SCENARIOS"]
 
@@ -43,14 +51,16 @@ class Task:
         return int(self.y_train.shape[0])
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "Task":
-        """A copy with inputs on ``device`` (and cast to ``dtype`` if given); labels stay int64."""
+        """A copy with inputs on ``device`` (and cast to ``dtype`` if given); integer labels stay int64,
+        real regression targets are cast like the inputs."""
         cast = (lambda t: t.to(device=device, dtype=dtype)) if dtype else (lambda t: t.to(device))
+        target = lambda t: cast(t) if t.is_floating_point() else t.to(device)  # noqa: E731
         return Task(
             self.task_id,
             cast(self.x_train),
-            self.y_train.to(device),
+            target(self.y_train),
             cast(self.x_test),
-            self.y_test.to(device),
+            target(self.y_test),
             self.classes,
             self.head,
             self.name,
@@ -59,7 +69,13 @@ class Task:
 
 @dataclass
 class TaskStream:
-    """A sequence of tasks plus what a model needs to know to be built for it."""
+    """A sequence of tasks plus what a model needs to know to be built for it.
+
+    Attributes:
+        likelihood: ``"classification"`` (ℓ = −log softmax(f)_y) or ``"regression"``
+            (ℓ = ‖f − y‖²/(2σ²) + const); see :mod:`continual_blr.curvature.likelihoods`.
+        sigma: σ, the Gaussian noise standard deviation (regression; ignored for classification).
+    """
 
     name: str
     tasks: list[Task]
@@ -68,10 +84,13 @@ class TaskStream:
     n_outputs: int  # outputs per head
     n_heads: int
     meta: dict = field(default_factory=dict)
+    likelihood: str = "classification"
+    sigma: float = 1.0
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
             raise ValueError(f"scenario: got {self.scenario!r}; allowed: {', '.join(SCENARIOS)}")
+        check_likelihood(self.likelihood, self.sigma)
 
     def __len__(self) -> int:
         return len(self.tasks)

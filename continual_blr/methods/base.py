@@ -7,27 +7,43 @@ A method is *not* a training loop. It answers the loop's questions:
   prior is the previous posterior for Bayesian methods);
 * ``regularizer`` — how the past enters the loss (``penalty``), refreshed by ``on_task_start`` /
   ``on_task_end``;
-* ``loss`` — the minibatch objective (mean cross-entropy + penalty by default);
+* ``loss`` — the minibatch objective (the mean negative log-likelihood of the stream's likelihood +
+  penalty by default);
 * ``train_tasks`` — which tasks' data are trained on now (just the current one, or all seen ones
   for the joint-training upper bound);
-* ``predict_proba`` — how predictions are made (the network's softmax, or a Monte-Carlo average
-  under the posterior).
+* ``predict_proba`` / ``predict_mean`` — how predictions are made (the network's softmax or outputs,
+  or a Monte-Carlo average under the posterior).
+
+**Likelihood.** The stream names it (``TaskStream.likelihood``, ``TaskStream.sigma``); ``run_stream``
+hands it to the method with :meth:`Method.use_likelihood` before ``setup`` (so a subclass whose
+``setup`` does not call ``super()`` still gets it) and the method keeps it as ``self.likelihood`` /
+``self.sigma``. ``"classification"``: ℓ_i = −log softmax(f_i)_{y_i}; ``"regression"``: the Gaussian
+ℓ_i = ‖f_i − y_i‖²/(2σ²), the constant (K/2) log 2πσ² left out (:mod:`continual_blr.curvature.likelihoods`).
+
+**Auxiliary fits.** A method that must train a *second* model (VCL's coreset copies, its
+maximum-likelihood start) does it through the one training loop with :func:`fit_auxiliary`. The loop
+(``continual_blr.loop``) imports the methods, so they cannot import it; instead the loop registers its
+``fit_task`` here when it is imported (:func:`register_fit_task`), and :func:`fit_auxiliary` calls it.
+Both drivers of a method — ``run_stream`` and the Avalanche plugin — import the loop, so the same
+auxiliary fits run under either.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from ..curvature import likelihoods as lk
 from ..data.stream import Task, TaskStream
 from ..regularizers.base import Regularizer
 from ..types import Batch
 
-__all__ = ["Method", "TrainConfig", "make_torch_optimizer", "OPTIMIZERS"]
+__all__ = ["Method", "TrainConfig", "make_torch_optimizer", "OPTIMIZERS", "mean_nll", "fit_auxiliary",
+           "register_fit_task"]
 
 OPTIMIZERS = ("adam", "sgd")
 
@@ -71,6 +87,42 @@ def make_torch_optimizer(params, train: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=train.lr)
 
 
+def mean_nll(f: Tensor, y: Tensor, likelihood: str = "classification", sigma: float = 1.0) -> Tensor:
+    """(1/B) Σ_i ℓ(f_i, y_i): the mean per-example negative log-likelihood of a minibatch.
+
+    Classification: ``F.cross_entropy(f, y)`` itself (the same kernel as before likelihoods were named,
+    so classification runs are bit-identical); regression: the mean of
+    :func:`continual_blr.curvature.likelihoods.nll`, ‖f_i − y_i‖²/(2σ²) without the constant.
+    """
+    if likelihood == "classification":
+        return F.cross_entropy(f, y)
+    return lk.nll(f, y, likelihood, sigma).mean()
+
+
+_FIT_TASK: Callable[..., float] | None = None
+
+
+def register_fit_task(fit_task: Callable[..., float]) -> None:
+    """Install the training loop's ``fit_task`` for :func:`fit_auxiliary` (``continual_blr.loop`` does this
+    when imported; see the module docstring)."""
+    global _FIT_TASK
+    _FIT_TASK = fit_task
+
+
+def fit_auxiliary(model: nn.Module, task: Task, method: "Method", train: TrainConfig, *, seen: list[Task],
+                  seed: int) -> float:
+    """Train ``model`` on ``task`` with ``method`` through the one training loop (``loop.fit_task``), with a
+    minibatch order of its own (a ``torch.Generator`` seeded with ``seed``) and no progress bar.
+
+    Raises:
+        RuntimeError: the training loop was never imported (nothing registered a ``fit_task``).
+    """
+    if _FIT_TASK is None:
+        raise RuntimeError("fit_auxiliary: no training loop registered; import continual_blr.loop first")
+    return _FIT_TASK(model, task, method, train, seen=seen, generator=torch.Generator().manual_seed(seed),
+                     progress=False)
+
+
 class Method:
     """Fine-tuning: no regulariser, the network's own predictions (the ``"none"`` baseline).
 
@@ -78,15 +130,39 @@ class Method:
     """
 
     name = "none"
+    likelihood: str = "classification"
+    sigma: float = 1.0
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
         self.generator = torch.Generator().manual_seed(seed + 7919)
         self.regularizer: Regularizer | None = None
 
+    def use_likelihood(self, likelihood: str, sigma: float = 1.0) -> None:
+        """Train and predict with ``likelihood`` (``"classification"`` | ``"regression"``) and noise σ.
+
+        Also handed to the regulariser(s) that compute a curvature of the loss (those with a
+        ``likelihood`` attribute, e.g. the Laplace / EWC prior). ``run_stream`` calls this before ``setup``.
+
+        Raises:
+            ValueError: an unknown likelihood or σ ≤ 0 for regression (one line).
+        """
+        lk.check_likelihood(likelihood, sigma)
+        self.likelihood, self.sigma = likelihood, float(sigma)
+        stack = [self.regularizer]
+        while stack:
+            reg = stack.pop()
+            if reg is None:
+                continue
+            if hasattr(reg, "likelihood"):
+                reg.likelihood, reg.sigma = likelihood, float(sigma)  # type: ignore[attr-defined]
+            stack.extend(getattr(reg, "parts", []))
+
     # called once by run_stream before the first task
     def setup(self, model: nn.Module, stream: TaskStream, train: TrainConfig) -> None:
-        """Prepare state that depends on the model (e.g. an initial prior)."""
+        """Prepare state that depends on the model (e.g. an initial prior); records the stream's likelihood."""
+        if stream is not None:
+            self.use_likelihood(stream.likelihood, stream.sigma)
 
     def make_optimizer(self, model: nn.Module, task: Task, train: TrainConfig) -> torch.optim.Optimizer:
         """The optimiser for ``task`` (fresh Adam/SGD by default)."""
@@ -97,8 +173,8 @@ class Method:
         return [task]
 
     def loss(self, model: nn.Module, batch: Batch, task: Task) -> Tensor:
-        """Mean cross-entropy of the minibatch plus the regulariser's penalty."""
-        loss = F.cross_entropy(model(batch.x, head=batch.head), batch.y)
+        """(1/B) Σ_i ℓ_i(θ) (the likelihood's, :func:`mean_nll`) plus the regulariser's penalty."""
+        loss = mean_nll(model(batch.x, head=batch.head), batch.y, self.likelihood, self.sigma)
         if self.regularizer is not None:
             loss = loss + self.regularizer.penalty(model, batch, task)
         return loss
@@ -115,6 +191,11 @@ class Method:
     def predict_proba(self, model: nn.Module, x: Tensor, head: int) -> Tensor:
         """Class probabilities for inputs ``x`` on output ``head``."""
         return torch.softmax(model(x, head=head), dim=-1)
+
+    @torch.no_grad()
+    def predict_mean(self, model: nn.Module, x: Tensor, head: int) -> Tensor:
+        """The predictive mean of the outputs (regression): f(x; θ) at the current weights, [B, K]."""
+        return model(x, head=head)
 
     def state_dict(self) -> dict[str, Any]:
         return {"regularizer": self.regularizer.state_dict() if self.regularizer is not None else None}
