@@ -500,9 +500,11 @@ def test_blr_kron_posterior_is_carried_as_prior():
     assert len(priors_2) == 5 * 3  # 5 epochs of 3 minibatches
 
     s1v = post_1.precision_matvec(v)
-    for k in v:  # the posterior's mean is the weights; its precision is not the initial δI
+    for k in v:  # the posterior's mean is the weights; its precision is not the initial δI where task 1's
+        # data reached (head 1 got no data: its precision may be the prior's or the starting one)
         torch.testing.assert_close(post_1.mean[k], weights_1[k], rtol=0, atol=0)
-        assert float((s1v[k] - delta * v[k]).norm()) > 1.0 * float((delta * v[k]).norm()), k
+        if not k.startswith("heads.1."):
+            assert float((s1v[k] - delta * v[k]).norm()) > 1.0 * float((delta * v[k]).norm()), k
     _, s1 = post_1.to_dense()
     eig = torch.linalg.eigvalsh(s1.double() - delta * torch.eye(s1.shape[0], dtype=torch.float64))
     assert float(eig.min()) >= -1e-4 * float(eig.max()), "the posterior's precision is not ⪰ the prior's δI"
