@@ -64,11 +64,19 @@ def kl_full(mean: Tensor, scale_tril: Tensor, prior: GaussianPosterior) -> Tenso
 
 
 class KLPrior:
-    """VCL's mean-field KL as a penalty on the mean loss:  KL(q ‖ q_{t−1}) / N.
+    """VCL's mean-field KL as a penalty on the mean loss:  KL(q_A ‖ p_A) / N.
 
     q = N(μ, diag e^{log σ²}): μ is the model's parameters (or ``params``), log σ² lives here as leaf
     tensors (``log_var``, trained by the same optimiser). N is ``n_data`` when set (e.g. a coreset made
     of several tasks' examples), else the current task's N_t. ``on_task_end`` makes q the prior.
+
+    The KL covers only the *active* parameters A (``set_active``; default all): those some task started
+    so far uses. A parameter no task has used yet (the head of a future task) has no likelihood term,
+    so its exact posterior is its prior; it is left out of the KL (a KL term on it would pull its mean
+    and variance to the prior's during earlier tasks) and out of the carried posterior, which keeps the
+    prior's value there (``posterior`` returns the prior's mean and precision for it) until its task
+    activates it. Since the KL factorises over parameters, KL(q ‖ p) = KL(q_A ‖ p_A) + KL(q_Ā ‖ p_Ā), and
+    the second term is 0 at q_Ā = p_Ā.
 
     Args:
         prior: the first prior (a :class:`~continual_blr.posteriors.DiagPosterior`).
@@ -79,30 +87,57 @@ class KLPrior:
         self.prior = prior
         self.log_var = {k: v.detach().clone().requires_grad_(True) for k, v in log_var.items()}
         self.n_data: int | None = None
+        self.active: list[str] = list(prior.mean)
+
+    def set_active(self, names: list[str]) -> None:
+        """The parameters the KL covers (in the prior's order); the rest keep the prior in ``posterior``.
+
+        Raises:
+            ValueError: a name the prior does not cover.
+        """
+        unknown = [k for k in names if k not in self.prior.mean]
+        if unknown:
+            raise ValueError(f"names: not covered by the prior: {unknown}")
+        wanted = set(names)
+        self.active = [k for k in self.prior.mean if k in wanted]
+
+    def _active_prior(self) -> DiagPosterior:
+        if len(self.active) == len(self.prior.mean):
+            return self.prior
+        return DiagPosterior({k: self.prior.mean[k] for k in self.active},
+                             {k: self.prior.precision[k] for k in self.active})
 
     def posterior(self, model: nn.Module) -> DiagPosterior:
-        """The current q as a (detached) DiagPosterior: precision e^{−log σ²}."""
-        mean = params_of(model, list(self.prior.mean))
-        return DiagPosterior({k: v.clone() for k, v in mean.items()},
-                             {k: torch.exp(-v.detach()) for k, v in self.log_var.items()})
+        """The current q as a (detached) DiagPosterior over all the prior's parameters: on the active ones
+        mean = the model's weights and precision e^{−log σ²}; elsewhere the prior's mean and precision."""
+        active = set(self.active)
+        mean = params_of(model, self.active)
+        return DiagPosterior(
+            {k: mean[k].clone() if k in active else self.prior.mean[k] for k in self.prior.mean},
+            {k: torch.exp(-self.log_var[k].detach()) if k in active else self.prior.precision[k]
+             for k in self.prior.mean})
 
     def penalty(self, model: nn.Module, batch: Batch, task: Task, params: ParamDict | None = None) -> Tensor:
-        mean = params if params is not None else params_of(model, list(self.prior.mean), detach=False)
+        """KL(q_A ‖ p_A) / N, differentiable in μ (``params`` or the model's) and ``log_var``."""
+        mean = params if params is not None else params_of(model, self.active, detach=False)
         n = self.n_data if self.n_data is not None else task.n_train
-        return kl_diag(mean, self.log_var, self.prior) / max(1, n)
+        return kl_diag(mean, self.log_var, self._active_prior()) / max(1, n)
 
     def on_task_start(self, model: nn.Module, task: Task) -> None:
         pass
 
     def on_task_end(self, model: nn.Module, task: Task) -> None:
-        """q_t becomes the prior of task t+1 (q keeps its value: a warm start)."""
+        """q_t becomes the prior of task t+1 (q keeps its value: a warm start; inactive parameters keep
+        the prior they had)."""
         self.prior = self.posterior(model)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"prior": self.prior.state_dict(), "log_var": {k: v.detach() for k, v in self.log_var.items()}}
+        return {"prior": self.prior.state_dict(), "log_var": {k: v.detach() for k, v in self.log_var.items()},
+                "active": list(self.active)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.prior = load_posterior(state["prior"])  # type: ignore[assignment]
         with torch.no_grad():  # in place: an optimiser may hold these tensors
             for k, v in state["log_var"].items():
                 self.log_var[k].copy_(v)
+        self.active = list(state.get("active", self.prior.mean))
