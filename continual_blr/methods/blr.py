@@ -36,37 +36,45 @@ class BLRParams:
         rho: ρ, the precision rate (1 − β₂ in VOGN's notation).
         beta1: momentum on the mean direction.
         mc_samples: weight samples per step (≥ 1).
-        ess_factor: the effective sample size is ess_factor · N (< 1 tempers the likelihood).
+        ess_factor: the effective sample size is ess_factor · N (> 1: the likelihood counts more, a colder
+            posterior, as a tempered likelihood; < 1: a wider one).
         predict_samples: Monte-Carlo samples for predictions (0: the posterior mean).
-        temperature: T of the carried prior (``diag`` only). At the end of task t the precision the
-            task added to its prior is divided by T before it becomes the next prior,
-            s₀⁽ᵗ⁺¹⁾ = s₀⁽ᵗ⁾ + max(s_t − s₀⁽ᵗ⁾, 0) / T, as online Laplace's temperature (T = 1: plain sequential
-            Bayes; T < 1: a colder, stronger memory). Parameters the task never moved keep their prior.
-        clip_radius: elementwise bound r on the preconditioned step S⁻¹û (None: no bound); see
+        temperature: T of the carried prior. At the end of task t the precision the task added to its
+            prior (the optimiser's data part D ⪰ 0) is divided by T before it becomes the next prior,
+            S₀⁽ᵗ⁺¹⁾ = S₀⁽ᵗ⁾ + D_t / T, as online Laplace's temperature (T = 1: plain sequential Bayes; T < 1:
+            a colder, stronger memory; λ = 1/T is its EWC-like strength). Every structure: D/T of a
+            Kronecker term is a Kronecker term.
+        clip_radius: elementwise bound r on the preconditioned step (None: no bound); see
             :mod:`continual_blr.optim.blr`.
-        curvature: ĥ of the step (named as in :mod:`continual_blr.optim.blr`): ``"empirical_fisher"``
-            (VOGN's squared per-example gradients, from the curvature engine), ``"ggn"`` (the exact
-            Gauss–Newton J ᵀΛJ), ``"mc_fisher"``, or ``"gauss_newton"`` (the empirical Fisher through
-            ``jacrev`` per-example gradients: the same diagonal, slower; Kronecker: nearest Kronecker
-            product instead of K-FAC).
+        curvature: ĥ of the step (named as in :mod:`continual_blr.optim.blr`): ``"ggn"`` (the exact
+            Gauss–Newton JᵀΛJ), ``"price"`` (IVON's reparameterisation estimate from the same backward
+            pass; diag only), ``"empirical_fisher"`` (VOGN's squared per-example gradients), ``"mc_fisher"``,
+            or ``"gauss_newton"`` (the empirical Fisher through ``jacrev`` per-example gradients: the same
+            diagonal, slower; Kronecker: nearest Kronecker product instead of K-FAC).
         precision_debias: the bias-corrected precision rate ρ_t = ρ / (1 − (1 − ρ)ᵗ), t counted from
-            the task's start (see :mod:`continual_blr.optim.blr`): each task's first step sets
-            S = ĥ + S₀ (ĥ scaled to the data set), so ``init_precision`` only matters before that first step.
+            the task's start (see :mod:`continual_blr.optim.blr`): each task's first step sets D = ĥ.
+        damping: γ, added as N γ to the step's preconditioner only (per-example curvature units); the
+            carried posterior and the fixed point do not depend on it.
+        init_hess: h₀, the data part's start D = N h₀ at every task's start, for every parameter (new heads
+            included; per-example curvature units, like IVON's ``hess_init``); None: keep
+            ``init_precision``'s start for task 1 and the warm start after.
     """
 
     structure: str = "diag"
-    prior_precision: float = 1.0
-    init_precision: float | None = 400.0
-    lr: float = 0.2
+    prior_precision: float = 100.0
+    init_precision: float | None = None
+    lr: float = 0.03
     rho: float = 0.05
     beta1: float = 0.9
     mc_samples: int = 1
-    ess_factor: float = 1.0
+    ess_factor: float = 20.0
     predict_samples: int = 0
-    temperature: float = 1.0
-    clip_radius: float | None = None
-    curvature: str = "empirical_fisher"
-    precision_debias: bool = False
+    temperature: float = 0.01
+    clip_radius: float | None = 0.3
+    curvature: str = "ggn"
+    precision_debias: bool = True
+    damping: float = 0.0
+    init_hess: float | None = None
 
     def __post_init__(self) -> None:
         s = parse_enum(Structure, self.structure, "params.structure")
@@ -83,9 +91,15 @@ class BLRParams:
             raise ValueError(f"params.ess_factor: must be > 0, got {self.ess_factor}")
         if not self.temperature > 0:
             raise ValueError(f"params.temperature: must be > 0, got {self.temperature}")
-        if self.temperature != 1.0 and s != Structure.DIAG:
-            raise ValueError("params.temperature: only 'diag' structure supports a temperature != 1 "
-                             "(a Kronecker precision difference is not Kronecker)")
+        if not self.damping >= 0:
+            raise ValueError(f"params.damping: must be >= 0, got {self.damping}")
+        if self.init_hess is not None and not self.init_hess > 0:
+            raise ValueError(f"params.init_hess: must be > 0 or null, got {self.init_hess}")
+        if self.curvature == "price":
+            if s != Structure.DIAG:
+                raise ValueError("params.curvature: 'price' is a diagonal estimator; allowed with structure 'diag'")
+            if self.mc_samples < 1 or self.init_hess is None:
+                raise ValueError("params.curvature: 'price' needs mc_samples >= 1 and init_hess > 0")
         if self.clip_radius is not None and not self.clip_radius > 0:
             raise ValueError(f"params.clip_radius: must be > 0 or null, got {self.clip_radius}")
         if self.predict_samples < 0:
@@ -115,7 +129,7 @@ class BLRMethod(Method):
         self.optimizer = BayesianLearningRule(
             model, prior, n_data=1, lr=p.lr, rho=p.rho, beta1=p.beta1, mc_samples=p.mc_samples,
             curvature=p.curvature, init_precision=init, generator=self.generator, clip_radius=p.clip_radius,
-            debias=p.precision_debias,
+            debias=p.precision_debias, damping=p.damping, init_hess=p.init_hess,
         )
 
     def make_optimizer(self, model: nn.Module, task: Task, train: TrainConfig) -> torch.optim.Optimizer:
@@ -124,18 +138,10 @@ class BLRMethod(Method):
         return self.optimizer
 
     def on_task_end(self, model: nn.Module, task: Task, optimizer=None) -> None:
+        """The posterior becomes the next prior, its data part divided by T: S₀ ← S₀ + D / T, m₀ ← m."""
         super().on_task_end(model, task, optimizer)
         assert self.optimizer is not None
-        self.optimizer.set_prior(self._next_prior(self.optimizer.posterior(), self.optimizer.prior))
-
-    def _next_prior(self, post: GaussianPosterior, prior: GaussianPosterior) -> GaussianPosterior:
-        """The prior of the next task: the posterior, with the task's added precision divided by T."""
-        t = self.params.temperature
-        if t == 1.0:
-            return post
-        assert isinstance(post, DiagPosterior) and isinstance(prior, DiagPosterior)
-        s0 = prior.precision
-        return DiagPosterior(post.mean, {k: s0[k] + (post.precision[k] - s0[k]).clamp_min(0) / t for k in post.mean})
+        self.optimizer.set_prior(self.optimizer.posterior(temperature=self.params.temperature))
 
     def posterior(self, model: nn.Module | None = None) -> GaussianPosterior:
         """The optimiser's posterior (its mean is the model's weights; ``model`` is accepted so that every

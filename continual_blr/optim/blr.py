@@ -1,46 +1,64 @@
 """Bayesian learning rule (BLR) optimisers whose state is a Gaussian posterior with a Gaussian prior.
 
 The update is the BLR for a Gaussian q = N(m, S⁻¹) with prior N(m₀, S₀⁻¹) (Khan & Rue 2023, eq. 12
-and its Newton form eqs. 44–46; Osawa et al. 2019 for VOGN). With N training examples, a minibatch
-of B, per-example losses ℓ_i and estimates at θ ~ q (or at θ = m: the *delta method*):
+and its Newton form eqs. 44–46; Osawa et al. 2019 for VOGN; Shen et al. 2024 for IVON). The posterior
+precision is kept as **the prior plus a data part**, S = S₀ + D, and only D is learnt. With N training
+examples (or an effective sample size), a minibatch of B, per-example losses ℓ_i and estimates at
+θ ~ q (or at θ = m: the *delta method*):
 
     ĝ = (N/B) Σ_i ∇ℓ_i(θ)            ĥ = (N/B) Σ_i H_i(θ)          (sums scaled to the data set)
-    S ← (1 − ρ) S + ρ (ĥ + S₀)                                          (precision, eq. 45)
-    u ← β₁ u + (1 − β₁) (ĝ + S₀ (m − m₀))                                (optional momentum)
-    m ← m − α clip_r(S⁻¹ û),   û = u / (1 − β₁ᵗ)                         (mean, eq. 46)
+    D ← (1 − ρ_t) D + ρ_t ĥ  [+ ½ ρ_t² (D − ĥ)² ⊘ D]                 (precision, eq. 45; [·]: price only)
+    u ← β₁ u + (1 − β₁) (ĝ + S₀ (m − m₀)),   û = u / (1 − β₁ᵗ)      (optional momentum)
+    m ← m − α clip_r((S₀ + D + N γ I)⁻¹ û)                            (mean, eq. 46)
 
-ρ is the precision rate, α the mean step. With ``debias`` the rate of step t (counted from the last
-``set_prior``, i.e. from the start of the task) is ρ_t = ρ / (1 − (1 − ρ)ᵗ): Adam's bias correction
-applied to the precision, so that S is the debiased running average of ĥ + S₀ over the task's steps.
-ρ₁ = 1, so the first step of a task sets S = ĥ + S₀ whatever S was, and parameters the previous
-posterior never saw data for (a new task's head) start at their data curvature instead of at the
-prior precision, where the step S⁻¹ĝ would be (ĥ + S₀)/S₀ times too long.
+ρ is the precision rate and α the mean step. Three safeguards act **on the step only**:
 
-clip_r clips the preconditioned step elementwise to [−r, r] (IVON's ``clip_radius``, Shen et al.
-2024; r = ∞, the default, is the plain update): in coordinates whose curvature is small next to a
-consistent gradient the Newton step S⁻¹ĝ is large, which a quadratic loss justifies and a network's
-loss far from its minimum does not. With ρ = α = 1, β₁ = 0 and the exact Hessian this is a Newton
-step on the negative log joint; for a quadratic loss (Bayesian linear regression) one step
-gives the exact posterior, and the posterior of task t used as the prior of task t+1 reproduces
-batch Bayes exactly (the test suite checks this).
+* the *damping* γ ≥ 0 (Levenberg–Marquardt, in per-example curvature units like IVON's ``hess_init``)
+  enters the preconditioner and nothing else: where the data curvature of a confident fit vanishes
+  (p(1 − p) → 0) the Newton step ĝ/ĥ grows without bound, while (S + Nγ)⁻¹ĝ ≤ ĝ_mean/γ stays an SGD step;
+* clip_r bounds the preconditioned step elementwise to [−r, r] (IVON's ``clip_radius``);
+* the debiased rate ρ_t = ρ / (1 − (1 − ρ)ᵗ) (Adam's bias correction applied to D, t counted from
+  the last ``set_prior``, i.e. from the task's start) makes D the debiased average of the task's ĥ, so
+  the first step of a task sets D = ĥ whatever D started at, and a new head's first steps are not
+  (ĥ + S₀)/S₀ times too long.
+
+**The fixed point is unchanged by all three.** At a fixed point of the update in expectation
+E[û] = 0, i.e. E_q[ĝ] + S₀ (m − m₀) = 0 (any positive definite preconditioner, damped or not, and any
+clip radius map û = 0 to a zero step), and D = E_q[ĥ] (the debiased rate changes ρ's schedule, not the
+average's limit). So the carried posterior N(m, S₀ + D) is the BLR's: for a quadratic loss (Bayesian
+linear regression) with an exact curvature it is the exact posterior in the full structure and the
+mean-field optimum in the diagonal one (the test suite checks both, with and without damping). With
+ρ = α = 1, β₁ = 0, γ = 0 and the exact Hessian the step is Newton's on the negative log joint: one step
+gives the exact posterior of a quadratic loss, and the posterior of task t used as the prior of task
+t+1 reproduces batch Bayes.
+
+Because S = S₀ + D with D ⪰ 0 (every estimator below except the exact Hessian), **the prior is never
+lost**: S ⪰ S₀ in every structure. In the Kronecker structure S₀ (the previous posterior) is kept term
+by term and D is one Kronecker term per layer (the nearest Kronecker product to (1 − ρ)D + ρĥ, which
+is positive semi-definite for PSD terms); S⁻¹ for the step and for weight samples uses the nearest
+Kronecker product of all of S's terms (δI kept exact) — a preconditioner and sampler choice that
+moves neither fixed point.
 
 Curvature estimates H_i (named, see ``types.Curvature``):
 
+* ``"price"`` — the reparameterisation (Price / Stein) estimator of E_q[∇²ℓ]: with θ = m + S^{−1/2}ε,
+  E_q[∇ℓ(θ)(θ − m)ᵀ] S = E_q[∇²ℓ(θ)], so ĥ = ĝ_data ∘ (θ − m) ∘ s (diagonal; IVON's estimator,
+  Shen et al. 2024, eq. 5). One backward pass at the sample, no per-example gradients; unbiased but
+  noisy and possibly negative, so the update keeps IVON's positivity correction ½ρ²(D − ĥ)²/D (Lin et
+  al. 2020; IVON's Alg. 1 line 6 with the prior left out of the denominator, so that D itself stays
+  positive: D' = D (1 + x + x²/2) with x = ρ(ĥ − D)/D, and 1 + x + x²/2 > 0). Needs weight samples
+  and D > 0 at the start (``init_hess``).
 * ``"gauss_newton"`` — g_i g_iᵀ from per-example gradients formed by ``torch.func.jacrev`` of any
   closure (VOGN's Gauss–Newton; for the log-loss at the observed label this is the empirical Fisher).
   Diagonal: g_i²; Kronecker: the nearest Kronecker product to Σ_i g_i g_iᵀ per layer (alternating
-  least squares on the per-example gradient matrices: A ← Σ_i g_iᵀ G g_i, G ← Σ_i g_i A g_iᵀ,
-  normalised); full: dense outer products.
+  least squares on the per-example gradient matrices); full: dense outer products.
 * ``"empirical_fisher"``, ``"ggn"``, ``"mc_fisher"`` — the curvature engine
   (:func:`continual_blr.curvature.curvature`) on the minibatch of a :class:`BatchClosure` at θ:
   Σ_i g_i g_iᵀ at the observed labels, the exact generalised Gauss–Newton Σ_i J_iᵀ Λ_i J_i, or the
   Monte-Carlo Fisher (one label drawn per example from the model with the optimiser's generator).
-  Diagonal: exact (for Linear layers without per-example gradients: (g²)ᵀ(a²) per layer, which is what
-  makes the step cheap); Kronecker: K-FAC factors (A = mean ããᵀ, G = Σ g gᵀ); full: dense. The
-  diagonal ``"empirical_fisher"`` equals ``"gauss_newton"``'s (a test checks it). The empirical Fisher
-  vanishes like (1 − p)² on examples fitted with confidence p, the GGN only like p(1 − p)
-  (Kunstner et al. 2019), so a posterior built from the empirical Fisher at a well-fitted mean
-  holds the task far more loosely than the Laplace–GGN one.
+  Diagonal: exact (for Linear layers (g²)ᵀ(a²) per layer); Kronecker: K-FAC factors (A = mean ããᵀ,
+  G = Σ g gᵀ); full: dense. The empirical Fisher vanishes like (1 − p)² on examples fitted with
+  confidence p, the GGN like p(1 − p) (Kunstner et al. 2019).
 * ``"hessian"`` — the exact Hessian of Σ_i ℓ_i (``torch.func.hessian``; small models, diag / full).
 
 The closure contract (torch.optim's ``step(closure)``): ``closure(params)`` receives a ParamDict of the
@@ -48,7 +66,7 @@ covered parameters and returns the **per-example** losses ``[B]`` computed with 
 through ``torch.func.functional_call``), or a pair ``(losses, penalty)`` where ``penalty`` is an extra
 differentiable term relative to the *mean* loss (e.g. FROMP); the penalty's gradient (times N) enters
 ĝ but not ĥ. The engine curvatures also need the minibatch itself: pass a :class:`BatchClosure`
-(softmax cross-entropy of ``model(x, head=head)``), which is what ``continual_blr.loop`` builds.
+(:mod:`continual_blr.optim.closures`), which is what ``continual_blr.loop`` builds.
 """
 
 from __future__ import annotations
@@ -65,55 +83,127 @@ from ..posteriors import DiagPosterior, FullPosterior, GaussianPosterior, KronPo
 from ..types import DivergenceError, KronCurvature, ParamDict, Structure, flatten, unflatten
 from .closures import BatchClosure
 
-__all__ = ["BayesianLearningRule", "BatchClosure", "VON", "VOGN", "blr_precision_update", "blr_mean_update",
-           "CURVATURES", "ENGINE_CURVATURES"]
+__all__ = ["BayesianLearningRule", "BatchClosure", "VON", "VOGN", "blr_data_update", "blr_mean_update",
+           "assemble_posterior", "data_part", "CURVATURES", "ENGINE_CURVATURES"]
 
 Closure = Callable[[ParamDict], "Tensor | tuple[Tensor, Tensor]"]
 ENGINE_CURVATURES = ("empirical_fisher", "ggn", "mc_fisher")
-CURVATURES = ("gauss_newton", "hessian") + ENGINE_CURVATURES
+CURVATURES = ("price", "gauss_newton", "hessian") + ENGINE_CURVATURES
 
 
 # ----------------------------------------------------------------------------------------------
 # Pure update functions (one per line of the algorithm in the module docstring)
 # ----------------------------------------------------------------------------------------------
-def blr_precision_update(post: GaussianPosterior, prior: GaussianPosterior, h: object, rho: float) -> GaussianPosterior:
-    """S ← (1 − ρ) S + ρ (ĥ + S₀) in the posterior's structure.
+def blr_data_update(data: object, h: object, rho: float, positivity: bool = False) -> object:
+    """D ← (1 − ρ) D + ρ ĥ, the data part of the precision S = S₀ + D, in its structure.
 
-    ``h`` is a ParamDict (diag), a dense matrix (full), or for Kronecker a pair
-    ``(blocks, diag)`` with ``blocks[w] = (A, G)`` and a ParamDict for non-layer parameters.
-    The Kronecker result is projected onto one Kronecker term per layer (nearest Kronecker product);
-    the isotropic parts are exact: δ ← (1 − ρ) δ + ρ δ₀.
+    ``data`` and ``h`` are ParamDicts (diag), dense matrices (full), or for Kronecker pairs
+    ``(blocks, diag)`` with ``blocks[w] = (A, G)`` (a missing layer is a zero term) and a ParamDict for
+    parameters outside the layers. The Kronecker result is one term per layer: the nearest Kronecker
+    product of (1 − ρ) A_D ⊗ G_D + ρ A_ĥ ⊗ G_ĥ (PSD for PSD terms, so D ⪰ 0 stays true).
+
+    With ``positivity`` (diag only) the IVON correction ½ ρ² (D − ĥ)² / D is added, which keeps D > 0
+    for any sign of ĥ (see the module docstring); its fixed point is still D = ĥ.
     """
-    if isinstance(post, DiagPosterior):
-        assert isinstance(prior, DiagPosterior)
-        s = {k: (1 - rho) * post.precision[k] + rho * (h[k] + prior.precision[k]) for k in post.mean}  # type: ignore[index]
-        return DiagPosterior(post.mean, s)
-    if isinstance(post, FullPosterior):
-        assert isinstance(prior, FullPosterior)
-        return FullPosterior(post.mean, (1 - rho) * post.precision + rho * (h + prior.precision))  # type: ignore[operator]
-    if isinstance(post, KronPosterior):
-        assert isinstance(prior, KronPosterior)
-        h_blocks, h_diag = h  # type: ignore[misc]
-        prior_terms = {w: terms for w, _, terms in prior.blocks}
-        blocks = []
-        for w, b, terms in post.blocks:
-            parts = [((1 - rho) * a, g) for a, g in terms] + [(rho * a, g) for a, g in prior_terms[w]]
-            if w in h_blocks:
-                a, g = h_blocks[w]
-                parts.append((rho * a, g))
-            # a zero term (e.g. a head no example used) adds nothing; with only zero terms the
-            # nearest-Kronecker normalisation would divide 0 by 0
-            parts = [(a, g) for a, g in parts if bool(a.abs().amax() > 0) and bool(g.abs().amax() > 0)]
-            blocks.append((w, b, [nearest_kronecker(parts)] if parts else []))
-        diag = {k: (1 - rho) * v + rho * (h_diag.get(k, 0.0) + prior.diag[k]) for k, v in post.diag.items()}
-        # the isotropic parts follow the same recursion: δ ← (1 − ρ) δ + ρ δ₀ (δ = δ₀ stays exact)
-        return KronPosterior(post.mean, blocks, diag, (1 - rho) * post.delta + rho * prior.delta)
-    raise TypeError(f"unsupported posterior type {type(post).__name__}")
+    if isinstance(data, dict):
+        assert isinstance(h, dict)
+        if positivity:
+            return {k: (1 - rho) * d + rho * h[k] + (0.5 * rho**2) * (d - h[k]) ** 2 / d for k, d in data.items()}
+        return {k: (1 - rho) * d + rho * h[k] for k, d in data.items()}
+    if isinstance(data, Tensor):
+        if positivity:
+            raise ValueError("positivity correction: only for the diagonal structure")
+        return (1 - rho) * data + rho * h  # type: ignore[operator]
+    (d_blocks, d_diag), (h_blocks, h_diag) = data, h  # type: ignore[misc]
+    if positivity:
+        raise ValueError("positivity correction: only for the diagonal structure")
+    blocks = {}
+    for w in set(d_blocks) | set(h_blocks):
+        parts = []
+        if w in d_blocks:
+            parts.append(((1 - rho) * d_blocks[w][0], d_blocks[w][1]))
+        if w in h_blocks:
+            parts.append((rho * h_blocks[w][0], h_blocks[w][1]))
+        # a zero term (a head no example used) adds nothing; with only zero terms the nearest-Kronecker
+        # normalisation would divide 0 by 0
+        parts = [(a, g) for a, g in parts if bool(a.abs().amax() > 0) and bool(g.abs().amax() > 0)]
+        if parts:
+            blocks[w] = nearest_kronecker(parts)
+    diag = {k: (1 - rho) * v + rho * h_diag[k] if k in h_diag else (1 - rho) * v for k, v in d_diag.items()}
+    return blocks, diag
+
+
+def assemble_posterior(mean: ParamDict, prior: GaussianPosterior, data: object, scale: float = 1.0,
+                       extra: float = 0.0) -> GaussianPosterior:
+    """N(m, S₀ + scale·D + extra·I) in the prior's structure (``extra``: the step's damping N γ).
+
+    Kronecker: the prior's terms are kept and D is appended as one more term per layer; ``extra`` is
+    added to the isotropic δ (so it reaches every parameter).
+    """
+    if isinstance(prior, DiagPosterior):
+        return DiagPosterior(mean, {k: prior.precision[k] + scale * data[k] + extra for k in prior.mean})  # type: ignore[index]
+    if isinstance(prior, FullPosterior):
+        eye = torch.eye(prior.precision.shape[0], dtype=prior.precision.dtype, device=prior.precision.device)
+        return FullPosterior(mean, prior.precision + scale * data + extra * eye)  # type: ignore[operator]
+    if isinstance(prior, KronPosterior):
+        d_blocks, d_diag = data  # type: ignore[misc]
+        blocks = [(w, b, terms + ([(scale * d_blocks[w][0], d_blocks[w][1])] if w in d_blocks else []))
+                  for w, b, terms in prior.blocks]
+        diag = {k: v + scale * d_diag[k] for k, v in prior.diag.items()}
+        return KronPosterior(mean, blocks, diag, prior.delta + extra)
+    raise TypeError(f"unsupported posterior type {type(prior).__name__}")
+
+
+def data_part(prior: GaussianPosterior, start: GaussianPosterior) -> object:
+    """D = S_start − S₀ for a starting posterior ``start`` over the prior's parameters (clamped at 0 in
+    the diagonal structure; Kronecker: the starting precision's terms beyond the prior's, merged into
+    one, plus its excess isotropic part as a term I ⊗ (δ_start − δ₀) I)."""
+    if isinstance(prior, DiagPosterior):
+        assert isinstance(start, DiagPosterior)
+        return {k: (start.precision[k] - prior.precision[k]).clamp_min(0) for k in prior.mean}
+    if isinstance(prior, FullPosterior):
+        assert isinstance(start, FullPosterior)
+        return start.precision - prior.precision
+    assert isinstance(prior, KronPosterior) and isinstance(start, KronPosterior)
+    n_prior = {w: len(terms) for w, _, terms in prior.blocks}
+    extra_delta = max(start.delta - prior.delta, 0.0)
+    blocks = {}
+    for w, b, terms in start.blocks:
+        parts = list(terms[n_prior.get(w, 0):])
+        if extra_delta > 0:
+            ref = start.mean[w]
+            d_in = ref[0].numel() + (b is not None)
+            parts.append((extra_delta * torch.eye(d_in, dtype=ref.dtype, device=ref.device),
+                          torch.eye(ref.shape[0], dtype=ref.dtype, device=ref.device)))
+        if parts:
+            blocks[w] = nearest_kronecker(parts)
+    diag = {k: (start.diag[k] + start.delta - prior.diag[k] - prior.delta).clamp_min(0) for k in prior.diag}
+    return blocks, diag
+
+
+def _data_like(prior: GaussianPosterior, value: float) -> object:
+    """D = value · I in the prior's structure (Kronecker: I ⊗ value·I per layer)."""
+    if isinstance(prior, DiagPosterior):
+        return {k: torch.full_like(v, value) for k, v in prior.mean.items()}
+    if isinstance(prior, FullPosterior):
+        return value * torch.eye(prior.precision.shape[0], dtype=prior.precision.dtype, device=prior.precision.device)
+    assert isinstance(prior, KronPosterior)
+    blocks = {}
+    if value > 0:
+        for w, b, _ in prior.blocks:
+            ref = prior.mean[w]
+            d_in = ref[0].numel() + (b is not None)
+            blocks[w] = (value * torch.eye(d_in, dtype=ref.dtype, device=ref.device),
+                         torch.eye(ref.shape[0], dtype=ref.dtype, device=ref.device))
+    return blocks, {k: torch.full_like(prior.mean[k], value) for k in prior.diag}
 
 
 def blr_mean_update(post: GaussianPosterior, direction: ParamDict, lr: float,
                     clip_radius: float | None = None) -> ParamDict:
-    """m ← m − α clip_r(S⁻¹ d) (no clipping when ``clip_radius`` is None)."""
+    """m ← m − α clip_r(P⁻¹ d) with P the precision of ``post`` (no clipping when ``clip_radius`` is None).
+
+    ``post`` is the preconditioner: the posterior, or the damped N(m, S + Nγ I) (:func:`assemble_posterior`).
+    """
     step = post.covariance_matvec(direction)
     if clip_radius is not None:
         step = {k: v.clamp(-clip_radius, clip_radius) for k, v in step.items()}
@@ -146,6 +236,17 @@ def _kron_from_per_example_grads(g: Tensor, iters: int = 6) -> tuple[Tensor, Ten
 class BayesianLearningRule(torch.optim.Optimizer):
     """The BLR as a torch optimiser; the model's parameters always hold the posterior mean.
 
+    Algorithm (module docstring; S = S₀ + D, everything scaled to the data set)::
+
+        at a task's first step:        D ← N h₀ I                      (if init_hess is set)
+        for each step t = 1, 2, …:
+            θ ~ N(m, S⁻¹)  (or θ = m)
+            ĝ, ĥ ← gradient and curvature of (N/B) Σ_i ℓ_i at θ
+            ρ_t ← ρ / (1 − (1 − ρ)ᵗ)  (if debias, else ρ)
+            D ← (1 − ρ_t) D + ρ_t ĥ  [+ ½ ρ_t² (D − ĥ)²/D for "price"]
+            u ← β₁ u + (1 − β₁)(ĝ + S₀(m − m₀));  û ← u / (1 − β₁ᵗ)
+            m ← m − α clip_r((S₀ + D + N γ I)⁻¹ û)
+
     Args:
         model: the network; the covered parameters are those named in ``prior.mean``.
         prior: the prior N(m₀, S₀⁻¹) — the previous task's posterior, or an isotropic start. Its
@@ -155,12 +256,18 @@ class BayesianLearningRule(torch.optim.Optimizer):
         rho: ρ ∈ (0, 1], the precision rate.
         beta1: momentum β₁ ∈ [0, 1) on the natural-gradient direction (0 turns it off).
         mc_samples: number of weight samples θ ~ q per step; 0 is the delta method (θ = m).
-        curvature: ``"gauss_newton"``, ``"empirical_fisher"``, ``"ggn"``, ``"mc_fisher"`` or ``"hessian"``
-            (see the module docstring; the engine ones need a :class:`BatchClosure`).
-        init_precision: the posterior's starting precision; default the prior's.
+        curvature: ``"price"``, ``"gauss_newton"``, ``"empirical_fisher"``, ``"ggn"``, ``"mc_fisher"`` or
+            ``"hessian"`` (see the module docstring; the engine ones need a :class:`BatchClosure`).
+        init_precision: the posterior's starting precision (D = init − S₀); default the prior's (D = 0).
+            Ignored when ``init_hess`` is set.
         generator: the ``torch.Generator`` for weight samples.
-        clip_radius: r > 0, the elementwise bound on the preconditioned step S⁻¹û; None: no bound.
-        debias: use the bias-corrected precision rate ρ_t = ρ / (1 − (1 − ρ)ᵗ) (see the module docstring).
+        clip_radius: r > 0, the elementwise bound on the preconditioned step; None: no bound.
+        debias: use the bias-corrected precision rate ρ_t = ρ / (1 − (1 − ρ)ᵗ).
+        damping: γ ≥ 0, added as N γ I to the step's preconditioner only (per-example curvature units).
+        init_hess: h₀ > 0: at every task's first step (after construction and after each ``set_prior``)
+            D restarts at N h₀ I for every covered parameter, new heads included — a data-scale start
+            (IVON's ``hess_init``); None: D keeps its value (``init_precision`` for the first task, then the
+            warm start D = 0 since the new prior holds the old posterior). Required by ``"price"``.
     """
 
     def __init__(
@@ -177,6 +284,8 @@ class BayesianLearningRule(torch.optim.Optimizer):
         generator: torch.Generator | None = None,
         clip_radius: float | None = None,
         debias: bool = False,
+        damping: float = 0.0,
+        init_hess: float | None = None,
     ) -> None:
         if not isinstance(prior, GaussianPosterior):
             raise TypeError(f"prior: expected a GaussianPosterior, got {type(prior).__name__}")
@@ -192,10 +301,22 @@ class BayesianLearningRule(torch.optim.Optimizer):
             raise ValueError(f"mc_samples: must be >= 0, got {mc_samples}")
         if clip_radius is not None and not clip_radius > 0:
             raise ValueError(f"clip_radius: must be > 0 or None, got {clip_radius}")
+        if not damping >= 0:
+            raise ValueError(f"damping: must be >= 0, got {damping}")
+        if init_hess is not None and not init_hess > 0:
+            raise ValueError(f"init_hess: must be > 0 or None, got {init_hess}")
         if curvature not in CURVATURES:
             raise ValueError(f"curvature: got {curvature!r}; allowed: {', '.join(map(repr, CURVATURES))}")
         if curvature == "hessian" and prior.structure == Structure.KRON:
             raise ValueError("curvature: 'hessian' is not available for structure 'kron'; use 'gauss_newton'")
+        if curvature == "price":
+            if prior.structure != Structure.DIAG:
+                raise ValueError(f"curvature: 'price' is a diagonal estimator; the prior's structure is "
+                                 f"{prior.structure.value!r} (allowed: 'diag')")
+            if int(mc_samples) < 1:
+                raise ValueError("mc_samples: curvature 'price' estimates E_q[∇²ℓ] from weight samples; must be >= 1")
+            if init_hess is None:
+                raise ValueError("init_hess: curvature 'price' needs a positive data-scale start h₀ (e.g. 0.1)")
         named = dict(model.named_parameters())
         missing = [k for k in prior.mean if k not in named]
         if missing:
@@ -212,14 +333,16 @@ class BayesianLearningRule(torch.optim.Optimizer):
         self.generator = generator
         self.clip_radius = clip_radius
         self.debias = bool(debias)
-        start = init_precision if init_precision is not None else prior
-        self._post = start.with_mean(self._current_mean())
+        self.damping = float(damping)
+        self.init_hess = init_hess
+        self._data = data_part(prior, init_precision) if init_precision is not None else _data_like(prior, 0.0)
         self._momentum: ParamDict | None = None
         self._t = 0
 
     def rebuild(self, model: nn.Module, prior: GaussianPosterior, init_precision: GaussianPosterior) -> None:
         """Re-initialise this optimiser in place over ``prior``'s parameters (e.g. with new heads added),
-        keeping every setting (n_data, α, ρ, β₁, samples, curvature, generator, clip_radius, debias).
+        keeping every setting (n_data, α, ρ, β₁, samples, curvature, generator, clip_radius, debias,
+        damping, init_hess).
 
         References to the optimiser stay valid; momentum and step count restart, as at a task start.
         """
@@ -228,7 +351,8 @@ class BayesianLearningRule(torch.optim.Optimizer):
         BayesianLearningRule.__init__(
             self, model, prior, n_data=self.n_data, lr=group["lr"], rho=group["rho"], beta1=group["beta1"],
             mc_samples=self.mc_samples, curvature=self.curvature, init_precision=init_precision,
-            generator=self.generator, clip_radius=self.clip_radius, debias=self.debias,
+            generator=self.generator, clip_radius=self.clip_radius, debias=self.debias, damping=self.damping,
+            init_hess=self.init_hess,
         )
         self.kron_iters = kron_iters
 
@@ -240,21 +364,32 @@ class BayesianLearningRule(torch.optim.Optimizer):
     def _current_mean(self) -> ParamDict:
         return {k: p.detach().clone() for k, p in self._params().items()}
 
-    def posterior(self) -> GaussianPosterior:
-        """The current posterior q (mean = the model's current weights)."""
-        return self._post.with_mean(self._current_mean())
+    def posterior(self, temperature: float = 1.0) -> GaussianPosterior:
+        """The current posterior q = N(m, S₀ + D/T) (mean = the model's current weights).
+
+        ``temperature`` T divides the data part: T = 1 is the BLR's posterior; T < 1 gives the colder
+        prior a tempered method carries to the next task (online Laplace's T; S ⪰ S₀ for every T > 0).
+        """
+        if not temperature > 0:
+            raise ValueError(f"temperature: must be > 0, got {temperature}")
+        return assemble_posterior(self._current_mean(), self.prior, self._data, scale=1.0 / temperature)
+
+    @property
+    def data_precision(self) -> object:
+        """D = S − S₀, the precision the current task's data added (structure as in :func:`blr_data_update`)."""
+        return self._data
 
     def set_prior(self, prior: GaussianPosterior, reset_precision: bool = False) -> None:
         """Make ``prior`` the prior (e.g. the posterior of the task just finished).
 
-        The posterior keeps its precision (a warm start: q_t starts at q_{t−1}) unless
-        ``reset_precision``, in which case it restarts from the prior's precision.
+        The data part restarts: at N h₀ I on the next step when ``init_hess`` is set, else at D = 0 (the
+        posterior starts at the new prior, which for a finished task is its posterior: a warm start).
+        ``reset_precision`` is accepted for compatibility (the posterior always restarts at the prior).
         """
-        if set(prior.mean) != set(self.names) or prior.structure != self._post.structure:
+        if set(prior.mean) != set(self.names) or prior.structure != self.prior.structure:
             raise ValueError("set_prior: the new prior must cover the same parameters in the same structure")
         self.prior = prior
-        if reset_precision:
-            self._post = prior.with_mean(self._current_mean())
+        self._data = _data_like(prior, 0.0)
         self._momentum = None
         self._t = 0
 
@@ -262,13 +397,21 @@ class BayesianLearningRule(torch.optim.Optimizer):
     def sampled_params(self, generator: torch.Generator | None = None) -> Iterator[ParamDict]:
         """Load a weight sample θ ~ q into the model for the duration of the block; the mean is
         restored in ``finally`` even if the block raises."""
-        sample = self.posterior().sample(generator if generator is not None else self.generator)
+        sample = self._sampler(self._current_mean()).sample(generator if generator is not None else self.generator)
         with self._loaded(sample):
             yield sample
 
+    def _sampler(self, mean: ParamDict) -> GaussianPosterior:
+        """The Gaussian weight samples are drawn from: q itself (Kronecker: its nearest-Kronecker merge)."""
+        q = assemble_posterior(mean, self.prior, self._data)
+        return q.merged() if isinstance(q, KronPosterior) else q
+
     # ----- the step ----------------------------------------------------------------------------
-    def _estimates(self, closure: Closure, theta: ParamDict) -> tuple[Tensor, ParamDict, object]:
+    def _estimates(self, closure: Closure, theta: ParamDict, noise: ParamDict | None,
+                   s_sample: ParamDict | None) -> tuple[Tensor, ParamDict, object]:
         """(mean loss, ĝ, ĥ) at θ, scaled to the data set (N/B Σ_i)."""
+        if self.curvature == "price":
+            return self._price_estimates(closure, theta, noise, s_sample)  # type: ignore[arg-type]
         if self.curvature in ENGINE_CURVATURES:
             return self._engine_estimates(closure, theta)
 
@@ -286,29 +429,58 @@ class BayesianLearningRule(torch.optim.Optimizer):
         per_ex = jacrev(losses_fn)(theta)  # per-example gradients, [B, *shape] each
         pen_grad = grad(penalty_fn)(theta)
         g = {k: scale * per_ex[k].sum(0) + self.n_data * pen_grad[k] for k in self.names}
-        post = self._post
+        structure = self.prior.structure
         if self.curvature == "hessian":
             flat = flatten(theta)
             hess = hessian(lambda v: losses_fn(unflatten(v, theta)).sum())(flat) * scale
-            if post.structure == Structure.FULL:
+            if structure == Structure.FULL:
                 h: object = hess
             else:
                 h = unflatten(torch.diagonal(hess).clone(), theta)
-        elif post.structure == Structure.DIAG:
+        elif structure == Structure.DIAG:
             h = {k: scale * (per_ex[k] ** 2).sum(0) for k in self.names}
-        elif post.structure == Structure.FULL:
+        elif structure == Structure.FULL:
             j = torch.cat([per_ex[k].reshape(b, -1) for k in self.names], 1)
             h = scale * j.T @ j
         else:
-            assert isinstance(post, KronPosterior)
+            assert isinstance(self.prior, KronPosterior)
             blocks = {}
-            for w, bias, _ in post.blocks:
+            for w, bias, _ in self.prior.blocks:
                 gw = per_ex[w].reshape(b, per_ex[w].shape[1], -1)
                 gmat = torch.cat([gw, per_ex[bias].unsqueeze(-1)], -1) if bias is not None else gw
                 a, gg = _kron_from_per_example_grads(gmat, iters=self.kron_iters)
                 blocks[w] = (scale * a, gg)
-            h = (blocks, {k: scale * (per_ex[k] ** 2).sum(0) for k in post.diag})
+            h = (blocks, {k: scale * (per_ex[k] ** 2).sum(0) for k in self.prior.diag})
         return losses.mean() + penalty_fn(theta).detach(), g, h
+
+    def _gradients(self, closure: Closure, theta: ParamDict) -> tuple[Tensor, ParamDict, ParamDict, Tensor]:
+        """One forward and backward pass at θ: (losses [B], ĝ of the data term, ĝ of everything, penalty).
+
+        ĝ = (N/B) ∇ Σ_i ℓ_i(θ) + N ∇ penalty(θ); the data term's gradient is also returned on its own (a
+        second backward, through the penalty only, when there is a penalty).
+        """
+        leaves = {k: v.detach().requires_grad_(True) for k, v in theta.items()}
+        out = closure(leaves)
+        losses, penalty = out if isinstance(out, tuple) else (out, None)
+        scale = self.n_data / losses.shape[0]
+        inputs = [leaves[k] for k in self.names]
+        data_grads = torch.autograd.grad(scale * losses.sum(), inputs, allow_unused=True,
+                                         retain_graph=penalty is not None)
+        g_data = {k: (gk if gk is not None else torch.zeros_like(leaves[k])) for k, gk in zip(self.names, data_grads)}
+        g = g_data
+        pen = torch.zeros((), dtype=losses.dtype, device=losses.device)
+        if penalty is not None:
+            pen_grads = torch.autograd.grad(self.n_data * penalty, inputs, allow_unused=True)
+            g = {k: g_data[k] + pg if pg is not None else g_data[k] for k, pg in zip(self.names, pen_grads)}
+            pen = penalty.detach()
+        return losses.detach(), g_data, g, pen
+
+    def _price_estimates(self, closure: Closure, theta: ParamDict, noise: ParamDict,
+                         s_sample: ParamDict) -> tuple[Tensor, ParamDict, object]:
+        """(mean loss, ĝ, ĥ) with the reparameterisation estimate ĥ = ĝ_data ∘ (θ − m) ∘ s (one backward)."""
+        losses, g_data, g, pen = self._gradients(closure, theta)
+        h = {k: g_data[k] * noise[k] * s_sample[k] for k in self.names}
+        return losses.mean() + pen, g, h
 
     def _engine_estimates(self, closure: Closure, theta: ParamDict) -> tuple[Tensor, ParamDict, object]:
         """(mean loss, ĝ, ĥ) at θ with ĥ from the curvature engine on the closure's minibatch.
@@ -319,15 +491,9 @@ class BayesianLearningRule(torch.optim.Optimizer):
         if not isinstance(closure, BatchClosure):
             raise ValueError(f"curvature: {self.curvature!r} needs a BatchClosure (the minibatch for the curvature "
                              f"engine); got {type(closure).__name__}. Use curvature='gauss_newton' for other closures")
-        leaves = {k: v.detach().requires_grad_(True) for k, v in theta.items()}
-        out = closure(leaves)
-        losses, penalty = out if isinstance(out, tuple) else (out, None)
-        b = losses.shape[0]
-        scale = self.n_data / b
-        total = scale * losses.sum() + (self.n_data * penalty if penalty is not None else 0.0)
-        grads = torch.autograd.grad(total, [leaves[k] for k in self.names], allow_unused=True)
-        g = {k: (gk if gk is not None else torch.zeros_like(leaves[k])) for k, gk in zip(self.names, grads)}
-        structure = self._post.structure
+        losses, _, g, pen = self._gradients(closure, theta)
+        scale = self.n_data / losses.shape[0]
+        structure = self.prior.structure
         # the delta method evaluates at the mean, which the model already holds
         with contextlib.nullcontext() if self.mc_samples == 0 else self._loaded(theta):
             c = engine_curvature(self.model, closure.x, closure.y, kind=self.curvature, structure=structure,
@@ -340,8 +506,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
             h = {k: scale * c[k] for k in self.names}
         else:
             h = scale * c
-        mean_loss = losses.detach().mean() + (penalty.detach() if penalty is not None else 0.0)
-        return mean_loss, g, h
+        return losses.mean() + pen, g, h
 
     @contextlib.contextmanager
     def _loaded(self, theta: ParamDict) -> Iterator[None]:
@@ -365,25 +530,42 @@ class BayesianLearningRule(torch.optim.Optimizer):
             raise ValueError("closure: the BLR needs a closure(params) -> per-example losses")
         group = self.param_groups[0]
         lr, rho, beta1 = group["lr"], group["rho"], group["beta1"]
-        post = self.posterior()
+        if self._t == 0 and self.init_hess is not None:  # a data-scale start for every parameter
+            self._data = _data_like(self.prior, self.n_data * self.init_hess)
+        params = self._params()
+        mean = {k: p.detach() for k, p in params.items()}
+        diag = isinstance(self.prior, DiagPosterior)
+        if diag:  # S = S₀ + D; samples θ = m + ε / √S
+            s_now = {k: self.prior.precision[k] + self._data[k] for k in self.names}  # type: ignore[index]
+            sampler = None
+        else:
+            s_now = None
+            sampler = self._sampler(mean) if self.mc_samples > 0 else None
         n_mc = max(1, self.mc_samples)
         loss_sum, g_sum, h_sum = 0.0, None, None
         with torch.enable_grad():
             for _ in range(n_mc):
-                theta = post.mean if self.mc_samples == 0 else post.sample(self.generator)
-                loss, g, h = self._estimates(closure, theta)
+                if self.mc_samples == 0:
+                    noise, theta = None, mean
+                else:
+                    if diag:
+                        noise = {k: torch.randn(m.shape, generator=self.generator, dtype=m.dtype, device=m.device)
+                                 .mul_(s_now[k].rsqrt()) for k, m in mean.items()}  # type: ignore[index]
+                    else:
+                        noise = sampler.sample_noise(self.generator)  # type: ignore[union-attr]
+                    theta = {k: mean[k] + noise[k] for k in self.names}
+                loss, g, h = self._estimates(closure, theta, noise, s_now)
                 loss_sum = loss_sum + loss
                 g_sum = g if g_sum is None else {k: g_sum[k] + g[k] for k in g}
                 h_sum = h if h_sum is None else _add_curv(h_sum, h)
-        g_avg = {k: v / n_mc for k, v in g_sum.items()}  # type: ignore[union-attr]
+        g_avg = g_sum if n_mc == 1 else {k: v / n_mc for k, v in g_sum.items()}  # type: ignore[union-attr]
         h_avg = _scale_curv(h_sum, 1.0 / n_mc)
-        bad = "loss" if not bool(torch.isfinite(loss_sum)) else "gradient" if not _finite(g_avg) else \
-            "curvature" if not _finite(h_avg) else None
+        bad = _first_bad(loss_sum, g_avg, h_avg)
         if bad is not None:
             raise DivergenceError(f"BLR step {self._t + 1}: the minibatch {bad} is not finite (loss {float(loss_sum)}); "
-                                  "lower lr (α) or bound the step with clip_radius")
+                                  "lower lr (α), or bound the step with damping or clip_radius")
         # natural-gradient direction ĝ + S₀ (m − m₀)
-        prior_term = self.prior.precision_matvec({k: post.mean[k] - self.prior.mean[k] for k in self.names})
+        prior_term = self.prior.precision_matvec({k: mean[k] - self.prior.mean[k] for k in self.names})
         d = {k: g_avg[k] + prior_term[k] for k in self.names}
         self._t += 1
         if beta1 > 0:
@@ -392,17 +574,28 @@ class BayesianLearningRule(torch.optim.Optimizer):
             d = {k: v / (1 - beta1**self._t) for k, v in self._momentum.items()}
         if self.debias:
             rho = rho / (1 - (1 - rho) ** self._t)
-        self._post = blr_precision_update(post, self.prior, h_avg, rho)
-        new_mean = blr_mean_update(self._post, d, lr, self.clip_radius)
-        for k, p in self._params().items():
-            p.copy_(new_mean[k])
+        self._data = blr_data_update(self._data, h_avg, rho, positivity=self.curvature == "price")
+        damp = self.n_data * self.damping
+        if diag:  # the hot path: elementwise, no posterior objects
+            for k, p in params.items():
+                step = d[k] / (self.prior.precision[k] + self._data[k] + damp)  # type: ignore[index]
+                if self.clip_radius is not None:
+                    step = step.clamp_(-self.clip_radius, self.clip_radius)
+                p.sub_(lr * step)
+        else:
+            precond = assemble_posterior(mean, self.prior, self._data, extra=damp)
+            if isinstance(precond, KronPosterior):
+                precond = precond.merged()
+            new_mean = blr_mean_update(precond, d, lr, self.clip_radius)
+            for k, p in params.items():
+                p.copy_(new_mean[k])
         return loss_sum / n_mc  # type: ignore[return-value]
 
     # ----- persistence -------------------------------------------------------------------------
     def state_dict(self) -> dict:  # type: ignore[override]
         return {
-            "posterior": self._post.state_dict(),
             "prior": self.prior.state_dict(),
+            "data": self._data,
             "t": self._t,
             "momentum": self._momentum,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
@@ -411,8 +604,8 @@ class BayesianLearningRule(torch.optim.Optimizer):
     def load_state_dict(self, state: dict) -> None:  # type: ignore[override]
         from ..posteriors import load_posterior
 
-        self._post = load_posterior(state["posterior"])
         self.prior = load_posterior(state["prior"])
+        self._data = state["data"]
         self._t = state["t"]
         self._momentum = state["momentum"]
         for g, saved in zip(self.param_groups, state["param_groups"]):
@@ -440,10 +633,15 @@ def _finite_flags(a: object) -> list[Tensor]:
     return []
 
 
-def _finite(a: object) -> bool:
-    """Whether every number in ``a`` is finite (one device synchronisation)."""
-    flags = _finite_flags(a)
-    return bool(torch.stack(flags).all()) if flags else True
+def _first_bad(loss: Tensor, g: object, h: object) -> str | None:
+    """The first of "loss", "gradient", "curvature" holding a non-finite number, or None (one device
+    synchronisation for all three)."""
+    groups = [_finite_flags(loss), _finite_flags(g), _finite_flags(h)]
+    flags = torch.stack([torch.stack(f).all() for f in groups]).tolist()
+    for name, ok in zip(("loss", "gradient", "curvature"), flags):
+        if not ok:
+            return name
+    return None
 
 
 def _scale_curv(a: object, s: float) -> object:

@@ -1,0 +1,210 @@
+"""The BLR engine: its fixed point against exact Bayesian linear regression (with and without the step's
+safeguards), the Price curvature estimator, the Kronecker prior kept exactly (S ⪰ S₀), the temperature of
+the carried prior, and a run on MNIST-like data whose weights and logit margins stay bounded."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from continual_blr.data.stream import Task, TaskStream
+from continual_blr.loop import run_stream
+from continual_blr.methods import TrainConfig, build_method
+from continual_blr.models import MLP
+from continual_blr.optim import BatchClosure, BayesianLearningRule
+from continual_blr.posteriors import DiagPosterior, KronPosterior, kron_layers
+
+DT = torch.float64
+# Monte-Carlo tier for stochastic fixed points: the mean of the last iterates of a noisy update.
+FIXED_POINT_MC = dict(rtol=2e-2, atol=2e-3)
+PRICE_MC_RTOL = 0.1  # the averaged Price estimate of diag(H) (one weight sample per step)
+
+
+class Linear(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(d, dtype=DT))
+
+    def forward(self, x):
+        return x @ self.w
+
+
+def _regression(gen, n=200, d=4, sigma=0.5):
+    # correlated inputs, so that the mean-field posterior differs from the full one
+    mix = torch.eye(d, dtype=DT) + 0.6 * torch.randn(d, d, generator=gen, dtype=DT)
+    x = torch.randn(n, d, generator=gen, dtype=DT) @ mix
+    w = torch.randn(d, generator=gen, dtype=DT)
+    y = x @ w + sigma * torch.randn(n, generator=gen, dtype=DT)
+    return x, y, sigma
+
+
+def _closure(model, x, y, sigma):
+    def closure(params):
+        return 0.5 * (y - torch.func.functional_call(model, params, (x,))) ** 2 / sigma**2
+
+    return closure
+
+
+@pytest.mark.parametrize("safeguard", [{}, {"damping": 5.0}, {"clip_radius": 0.02}],
+                         ids=["plain", "damped", "clipped"])
+def test_stochastic_blr_fixed_point_is_the_exact_posterior(gen, safeguard):
+    """Diagonal BLR with weight samples (mc 1) and ρ < 1 on Bayesian linear regression (float64), through the
+    loop's closure (``BatchClosure`` with the Gaussian likelihood) and the engine's exact GGN, which for a
+    linear-Gaussian model is the Hessian ZᵀZ/σ² (Z = [X, 1], weights and bias).
+
+    The fixed point is the mean-field optimum: precision S₀ + diag(ZᵀZ)/σ² and the exact posterior mean
+    (E_q[∇ℓ(θ)] = ∇ℓ(m) for a quadratic loss, so E[û] = 0 at the full posterior's mean). Damping and
+    clipping act on the step only and must reach the same point: the average of the last iterates is
+    compared with the closed form within a Monte-Carlo tolerance.
+    """
+    x, y, sigma = _regression(gen)
+    d, n, delta = x.shape[1], x.shape[0], 3.0
+    model = MLP(d, (), 1, 1).to(DT)  # f(x) = w·x + b
+    names = ["heads.0.weight", "heads.0.bias"]
+    m0 = {"heads.0.weight": torch.randn(1, d, generator=gen, dtype=DT), "heads.0.bias": torch.randn(1, generator=gen, dtype=DT)}
+    prior = DiagPosterior(m0, delta)
+    opt = BayesianLearningRule(model, prior, n_data=n, lr=0.2, rho=0.1, mc_samples=1, curvature="ggn", debias=True,
+                               generator=torch.Generator().manual_seed(0), **safeguard)
+    closure = BatchClosure(model, x, y, head=0, likelihood="regression", sigma=sigma)
+    means, precs = [], []
+    for t in range(3000):
+        opt.step(closure)
+        if t >= 1000:
+            post = opt.posterior()
+            means.append(torch.cat([post.mean[k].reshape(-1) for k in names]))
+            precs.append(torch.cat([post.precision[k].reshape(-1) for k in names]))
+    z = torch.cat([x, torch.ones(n, 1, dtype=DT)], 1)
+    h = z.T @ z / sigma**2
+    z0 = torch.cat([m0[k].reshape(-1) for k in names])
+    exact_prec = h + delta * torch.eye(d + 1, dtype=DT)
+    exact_mean = torch.linalg.solve(exact_prec, z.T @ y / sigma**2 + delta * z0)
+    torch.testing.assert_close(torch.stack(precs).mean(0), torch.diagonal(h) + delta, rtol=1e-10, atol=0)
+    torch.testing.assert_close(torch.stack(means).mean(0), exact_mean, **FIXED_POINT_MC)
+    # and it is not the start: the mean moved from m0 by much more than the tolerance
+    assert float((exact_mean - z0).abs().max()) > 0.5
+
+
+def test_price_estimator_averages_to_the_hessian_diagonal(gen):
+    """ĥ = ĝ ∘ (θ − m) ∘ s is unbiased for diag E_q[∇²ℓ] = diag(XᵀX)/σ² on a quadratic loss: the data part D,
+    averaged over steps with a small rate, matches it; the positivity correction keeps D > 0 throughout."""
+    x, y, sigma = _regression(gen)
+    d, n = x.shape[1], x.shape[0]
+    model = Linear(d)
+    prior = DiagPosterior({"w": torch.zeros(d, dtype=DT)}, 1.0)
+    opt = BayesianLearningRule(model, prior, n_data=n, lr=0.1, rho=0.02, mc_samples=1, curvature="price",
+                               init_hess=1.0, generator=torch.Generator().manual_seed(1))
+    closure = _closure(model, x, y, sigma)
+    ds = []
+    for t in range(4000):
+        opt.step(closure)
+        data = opt.data_precision["w"]
+        assert bool((data > 0).all())
+        if t >= 1000:
+            ds.append(data.clone())
+    target = torch.diagonal(x.T @ x) / sigma**2
+    rel = ((torch.stack(ds).mean(0) - target).abs() / target).max()
+    assert rel < PRICE_MC_RTOL, f"Price estimate off by {float(rel):.3f} relative"
+
+
+def test_price_needs_samples_and_a_start():
+    model = Linear(3)
+    prior = DiagPosterior({"w": torch.zeros(3, dtype=DT)}, 1.0)
+    with pytest.raises(ValueError, match="mc_samples: curvature 'price'"):
+        BayesianLearningRule(model, prior, n_data=10, curvature="price", mc_samples=0, init_hess=1.0)
+    with pytest.raises(ValueError, match="init_hess: curvature 'price'"):
+        BayesianLearningRule(model, prior, n_data=10, curvature="price", mc_samples=1)
+    with pytest.raises(ValueError, match="damping: must be >= 0"):
+        BayesianLearningRule(model, prior, n_data=10, damping=-1.0)
+
+
+def _dense_kron_prior(model, gen, delta=0.5):
+    """An isotropic δ plus one random PSD Kronecker term per layer (a previous task's posterior)."""
+    mean = {k: torch.randn(p.shape, generator=gen, dtype=DT) * 0.1 for k, p in model.named_parameters()}
+    blocks = []
+    for w, b in kron_layers(model):
+        d_out, d_in = mean[w].shape[0], mean[w][0].numel() + (b is not None)
+        ra = torch.randn(d_in, d_in, generator=gen, dtype=DT)
+        rg = torch.randn(d_out, d_out, generator=gen, dtype=DT)
+        blocks.append((w, b, [(ra @ ra.T, 3.0 * rg @ rg.T)]))
+    return KronPosterior(mean, blocks, None, delta)
+
+
+def test_kronecker_blr_keeps_its_prior_exactly(gen):
+    """S − S₀ ⪰ 0 after many steps with random data and a fast rate (ρ = 0.7, which a projection of the whole
+    (1 − ρ)S + ρ(ĥ + S₀) onto one Kronecker term would violate), and S₀ itself is kept term by term."""
+    model = MLP(3, (4,), 2, 1).to(DT)
+    prior = _dense_kron_prior(model, gen)
+    opt = BayesianLearningRule(model, prior, n_data=50, lr=0.05, rho=0.7, mc_samples=1, curvature="gauss_newton",
+                               generator=torch.Generator().manual_seed(2))
+    for _ in range(40):
+        x = torch.randn(8, 3, generator=gen, dtype=DT) * 3
+        y = torch.randint(0, 2, (8,), generator=gen)
+
+        def closure(params, x=x, y=y):
+            f = torch.func.functional_call(model, params, (x,), {"head": 0})
+            return nn.functional.cross_entropy(f, y, reduction="none")
+
+        opt.step(closure)
+    _, s = opt.posterior().to_dense()
+    _, s0 = prior.to_dense()
+    eig = torch.linalg.eigvalsh(s - s0)
+    assert float(eig.min()) >= -1e-9 * float(torch.linalg.eigvalsh(s0).max())
+    assert float(eig.max()) > 1e-3  # the data did add precision
+    # the temperature divides only the data part: S₀ + (S − S₀)/T, a Kronecker posterior again
+    _, s_cold = opt.posterior(temperature=0.1).to_dense()
+    torch.testing.assert_close(s_cold, s0 + (s - s0) / 0.1, rtol=1e-8, atol=1e-8)
+
+
+def test_diag_temperature_divides_the_data_part(gen):
+    model = Linear(3)
+    prior = DiagPosterior({"w": torch.zeros(3, dtype=DT)}, 2.0)
+    x = torch.randn(20, 3, generator=gen, dtype=DT)
+    y = torch.randn(20, generator=gen, dtype=DT)
+    opt = BayesianLearningRule(model, prior, n_data=20, curvature="hessian", rho=1.0)
+    opt.step(_closure(model, x, y, 1.0))
+    h = torch.diagonal(x.T @ x)  # the exact data precision of this quadratic loss
+    torch.testing.assert_close(opt.posterior().precision["w"], 2.0 + h, rtol=1e-10, atol=0)
+    torch.testing.assert_close(opt.posterior(temperature=0.25).precision["w"], 2.0 + 4.0 * h, rtol=1e-10, atol=0)
+
+
+def _mnist_like_stream(gen, n_tasks=2, n_train=1280, n_test=256):
+    """784 correlated pixels in [0, 1] (smooth blobs, like digits' strokes) and 2 classes per task."""
+    def images(n, centres):
+        yy, xx = torch.meshgrid(torch.arange(28.0), torch.arange(28.0), indexing="ij")
+        labels = torch.randint(0, 2, (n,), generator=gen)
+        c = centres[labels] + 2.0 * torch.randn(n, 2, generator=gen)
+        img = torch.exp(-((yy - c[:, :1, None]) ** 2 + (xx - c[:, 1:, None]) ** 2) / 30.0)
+        img = (img + 0.3 * torch.rand(n, 28, 28, generator=gen)).clamp(0, 1)
+        return img.reshape(n, -1), labels
+
+    tasks = []
+    for t in range(n_tasks):
+        centres = 6 + 16 * torch.rand(2, 2, generator=gen)
+        xtr, ytr = images(n_train, centres)
+        xte, yte = images(n_test, centres)
+        tasks.append(Task(t, xtr, ytr, xte, yte, (2 * t, 2 * t + 1), head=t, name=f"blobs{t}"))
+    return TaskStream("mnist_like", tasks, "task", (784,), 2, n_tasks)
+
+
+def test_blr_defaults_on_mnist_like_data_keep_weights_and_margins_bounded(gen):
+    """300 steps of the library-default BLR on 784-pixel inputs (MLP 784-256-256, batch 128): every weight
+    matrix's norm stays below 5× its initial norm and the median logit margin below 50, while each task is
+    learnt (≥ 90 %). The diagonal-Newton recipe without a step bound (α 0.2, δ 1, empirical Fisher) ends
+    with margins of ~10⁴ here; bounds stated in the assertions."""
+    torch.manual_seed(0)  # nothing below reads the global RNG; pinned in case a future default does
+    stream = _mnist_like_stream(gen)
+    model = MLP(784, (256, 256), 2, 2)
+    init = {k: float(p.detach().norm()) for k, p in model.named_parameters() if k.endswith("weight")}
+    method = build_method("blr", seed=0)
+    result = run_stream(model, stream, method, TrainConfig(epochs=15, batch_size=128), seed=0, progress=False)
+    # 2 tasks × 15 epochs × 10 batches = 300 steps
+    for k, p in model.named_parameters():
+        if k in init:
+            assert float(p.detach().norm()) < 5 * init[k], f"{k}: norm {float(p.detach().norm()):.1f} from {init[k]:.1f}"
+    with torch.no_grad():
+        for task in stream.tasks:
+            top2 = model(task.x_test, head=task.head).topk(2, -1).values
+            margin = float((top2[:, 0] - top2[:, 1]).median())
+            assert math.isfinite(margin) and margin < 50.0, f"task {task.task_id}: median logit margin {margin:.3g}"
+    assert min(result.acc_matrix[i][i] for i in range(2)) >= 0.75
