@@ -21,6 +21,10 @@ folder, not only this command's, so methods run by separate commands end up in o
 commands that produced the runs are listed. Text below the ``<!-- notes -->`` line of an existing
 report (the hand-written closing note) is kept when the report is rewritten.
 
+Runs are stored per machine and not committed, so a rewrite on a machine that lacks some methods'
+runs keeps those methods' rows, accuracy matrices and commands from the existing report (listed as
+kept, the curves figure then left as it was); ``--no-keep`` drops them.
+
 A stored run is reused only while its method (name, params, train overrides) is the config's; after a
 config changes (e.g. a λ chosen on validation) the run is redone.
 
@@ -35,6 +39,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -173,6 +178,41 @@ def _verdict(mean: float, std: float, ref: float) -> str:
     return f"{mean - ref:+.2f} (**short**)"
 
 
+def shown_command(argv: list[str], data_dir: str | None) -> str:
+    """The command line as recorded in tables: the data folder (machine-specific) shown as ``$CONTINUAL_BLR_DATA``."""
+    shown = ["$CONTINUAL_BLR_DATA" if data_dir and a == data_dir else
+             f"--data-dir=$CONTINUAL_BLR_DATA" if data_dir and a == f"--data-dir={data_dir}" else a for a in argv]
+    return " ".join(shown)
+
+
+def previous_report(out: Path) -> tuple[list[str], dict[str, str], dict[str, list[str]]]:
+    """The commands, table rows and accuracy-matrix blocks (by method) of an existing report."""
+    if not out.is_file():
+        return [], {}, {}
+    lines = out.read_text().split(NOTES_MARKER, 1)[0].splitlines()
+    commands, rows, matrices = [], {}, {}
+    in_table = False
+    for i, line in enumerate(lines):
+        if line.startswith("python benchmarks/reproduce.py"):
+            commands.append(line)
+        if line.startswith("| method |"):
+            in_table = True
+            continue
+        if in_table and line.startswith("|") and not line.startswith("|---"):
+            rows[line.split("|")[1].strip()] = line
+        elif in_table and not line.startswith("|"):
+            in_table = False
+        head = re.match(r"^\*\*(.+)\*\* \(seed \d+\)$", line)
+        if head:
+            end = i + 1
+            fences = 0
+            while end < len(lines) and fences < 2:
+                fences += lines[end].startswith("```")
+                end += 1
+            matrices[head.group(1)] = lines[i:end]
+    return commands, rows, matrices
+
+
 def write_report(benchmark: str, scenario: str, records: dict[str, list[dict]], args: argparse.Namespace,
                  command: str, results_dir: Path | None = None) -> Path:
     from continual_blr.plots import plot_average_accuracy
@@ -194,10 +234,23 @@ def write_report(benchmark: str, scenario: str, records: dict[str, list[dict]], 
                   f"evaluated on the held-out {validation:g} (drawn per seed), never on the test set. For choosing "
                   "hyper-parameters; published (test) numbers are not shown.", ""]
     commands = sorted({r.get("command") or command for recs in records.values() for r in recs})
+    old_commands, old_rows, old_matrices = previous_report(out) if getattr(args, "keep", True) else ([], {}, {})
+    kept = [m for m in old_rows if m not in records]
     lines += ["Produced by (runs stored under `benchmarks/runs/`, resumable):", "", "```", *commands, "```", ""]
+    if kept:
+        lines += [f"Rows kept from the previous version of this report (their runs are not stored where it was "
+                  f"rewritten): {', '.join(kept)}. Commands of that version:", "", "```",
+                  *sorted(set(old_commands) - set(commands)), "```", "",
+                  "The curves figure was not redrawn (it needs every row's stored runs).", ""]
     lines += ["| method | final avg acc (%) | seeds | scenario | memory / task | wall / run (s) | CPU / run (s) | forgetting (%) | published | ours − published |",
               "|---|---|---|---|---|---|---|---|---|---|"]
-    for method, recs in records.items():
+    order = {m: i for i, m in enumerate(METHOD_ORDER)}
+    methods = sorted([*records, *kept], key=lambda m: (order.get(m, len(order)), m))
+    for method in methods:
+        if method in kept:
+            lines.append(old_rows[method])
+            continue
+        recs = records[method]
         accs = [100 * r["avg_acc"] for r in recs]
         m, s = _mean_std(accs)
         fg, _ = _mean_std([100 * r["forgetting"] for r in recs])
@@ -220,7 +273,12 @@ def write_report(benchmark: str, scenario: str, records: dict[str, list[dict]], 
     if hi:
         lines += ["", f"Higher anchor on the same protocol: {hi[1]} {hi[0]:.2f}."]
     lines += ["", "Accuracy matrices (seed of the first run, rows: after task i, columns: task j, %):", ""]
-    for method, recs in records.items():
+    for method in methods:
+        if method in kept:
+            if method in old_matrices:
+                lines += [*old_matrices[method], ""]
+            continue
+        recs = records[method]
         lines.append(f"**{method}** (seed {recs[0]['seed']})")
         lines.append("")
         lines.append("```")
@@ -230,8 +288,9 @@ def write_report(benchmark: str, scenario: str, records: dict[str, list[dict]], 
         lines.append("")
     lines += [NOTES_MARKER, notes or "", ""]
     out.write_text("\n".join(lines))
-    curves = {m: [r["avg_acc_per_step"] for r in recs] for m, recs in records.items()}
-    plot_average_accuracy(curves, out.with_name(out.stem + "_curves.png"), title=f"{benchmark} ({scenario})")
+    if not kept:
+        curves = {m: [r["avg_acc_per_step"] for r in recs] for m, recs in records.items()}
+        plot_average_accuracy(curves, out.with_name(out.stem + "_curves.png"), title=f"{benchmark} ({scenario})")
     return out
 
 
@@ -255,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--only-this-command", action="store_true",
                         help="report only this command's runs (default: every stored run of the benchmark)")
+    parser.add_argument("--no-keep", dest="keep", action="store_false",
+                        help="drop rows of the existing report whose runs are not stored here (default: keep them)")
     args = parser.parse_args(argv)
     from continual_blr.data.builders import check_validation
 
@@ -266,7 +327,9 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    command = "python benchmarks/reproduce.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.only_this_command:
+        args.keep = False
+    command = "python benchmarks/reproduce.py " + shown_command(sys.argv[1:] if argv is None else argv, args.data_dir)
     runs_dir = Path(args.runs_dir)
     records: dict[str, list[dict]] = {}
     scenario = None

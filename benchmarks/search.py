@@ -20,8 +20,9 @@ The table goes to ``benchmarks/results/search_<benchmark>_<config>[_<scenario>][
 scenario suffix when it is not the benchmark's default): the base config, the grid, per point the
 mean ± sample std of the validation accuracy (and per seed), forgetting, the λ-equivalent strength
 (``strength.py``), the choice with its paired margin over the runner-up, the test numbers of
-``--then-test`` and the exact command. It is rewritten after every point. A stored run is reused
-while its stream, model, train budget, method and mode are the same (resumable); ``--force`` reruns.
+``--then-test`` and the exact command (the data folder shown as ``$CONTINUAL_BLR_DATA``). It is
+rewritten after every point. A stored run is reused while its stream, model, train budget, method and
+mode are the same (resumable); ``--force`` reruns.
 """
 
 from __future__ import annotations
@@ -339,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    command = "python benchmarks/search.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python benchmarks/search.py " + _sibling("reproduce").shown_command(
+        sys.argv[1:] if argv is None else argv, args.data_dir)
     base = load_base(args.benchmark, args.config, args)
     mc = base.methods[0]
     grid = parse_grid(args.grid, mc.name, mc.params)

@@ -92,11 +92,12 @@ class Row(NamedTuple):
 
 ROWS: list[Row] = [
     Row("none", "none"),
-    Row("l2", "l2"),
-    Row("ewc", "ewc"),
-    Row("ewc (online)", "ewc_online"),
+    # weight-space rows with a strength chosen per scenario on validation (benchmarks/results/search_split_digits_*.md)
+    Row("l2", "l2", class_config="l2_class"),
+    Row("ewc", "ewc", class_config="ewc_class"),
+    Row("ewc (online)", "ewc_online", class_config="ewc_online_class"),
     Row("laplace (kron)", "laplace", class_config="laplace_class"),
-    Row("laplace (diag)", "laplace_diag"),
+    Row("laplace (diag)", "laplace_diag", class_config="laplace_diag_class"),
     Row("vcl (vogn)", "vcl"),
     Row("vcl (bbb)", "vcl_bbb"),
     Row("vcl (vogn) + k-center coreset", "vcl_coreset"),
@@ -315,11 +316,21 @@ def report(records: Records, seeds: list[int], wall: float, command: str, thread
         f"{sum(r['wall_s'] for v in records.values() for r in v):.0f} s. This invocation took {wall:.0f} s "
         "(stored runs are reused at no cost).",
         "",
-        "Weight-space rows (l2, ewc, ewc (online), laplace (kron/diag), the three vcl rows, ivon, blr): params chosen "
-        "on tuning seeds, never on the reported seeds 0-4 (see each YAML's first line); FROMP rows are not tuned; the "
-        "blr rows after the first are ablations of `blr.yaml`, not tuned on their own. laplace (kron) has a class "
-        "config: the strength of its carried prior (the temperature T) was tuned per scenario, as one tunes EWC's λ "
-        "per scenario: one head per task needs a plastic trunk, one 10-way head needs the old classes held hard.",
+        "How the params were chosen. l2, ewc, ewc (online), laplace (kron), laplace (diag): the strength (λ or the "
+        "temperature T) per scenario on *validation* data — 0.1 of each task's training data held out, seeds 0-4, "
+        "never the test set (`python benchmarks/search.py split_digits <config> --scenario <s> --grid ...`; grids, "
+        "scores and choices in `benchmarks/results/search_split_digits_<config>[_class].md`); each has a class config "
+        "because one head per task needs a plastic trunk and one 10-way head needs the old classes held hard. "
+        "The three vcl rows, ivon and blr: chosen on the test sets of other seeds (tuning seeds 100-109, see each "
+        "YAML's first line), which is still tuning on test data; no validation search for them yet. FROMP rows are "
+        "not tuned (the reference code's values); the blr rows after the first are ablations of `blr.yaml`.",
+        "",
+        "λ-equiv.: the strength on EWC's scale (task / class where the two configs differ). EWC adds "
+        "(λ/2) Σ_k F̄_k (θ − θ*_k)² to the mean loss, F̄_k the per-example-mean Fisher of past task k, so λ = N_k/N_t "
+        "≈ 1 is the Bayesian weight of a past task; Laplace's and the BLR's temperature T divide the summed "
+        "curvature N_k F̄_k, which is λ = 1/T for tasks of equal size (here 283-291 training images each); VCL and IVON "
+        "carry their posterior at T = 1; l2 and FROMP have no equivalent (`benchmarks/strength.py`, "
+        "docs/benchmarks.md).",
         "",
         "Caveats: (1) Five seeds cannot rank the BLR rows in the task scenario: on seeds 0-4 the earlier VOGN recipe "
         "scores as high as `blr.yaml`, but it is chaotic (the same seed moved from 91.3 to 97.8 with another order of "

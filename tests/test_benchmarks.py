@@ -269,3 +269,25 @@ def test_split_digits_validation_runs_are_stored_apart(tmp_path):
     assert not (tmp_path / "task").exists()
     text = sd.report({("none", "task"): [rec]}, [0], 0.0, "cmd", 1, tmp_path, validation=0.1)
     assert "VALIDATION" in text.splitlines()[0]
+
+
+def test_reproduce_keeps_rows_whose_runs_are_not_stored_here(tmp_path):
+    """Stored runs are per machine: a rewrite elsewhere keeps the other rows (marked), unless --no-keep."""
+    import shutil
+
+    reproduce = _load_reproduce()
+    _tiny_configs(tmp_path)
+    reproduce.main(_args(tmp_path, "--methods", "none", "--seeds", "0", "--data-dir", str(tmp_path / "data")))
+    out = tmp_path / "results" / "tiny.md"
+    first = out.read_text()
+    none_row = next(line for line in first.splitlines() if line.startswith("| none |"))
+    assert "$CONTINUAL_BLR_DATA" in first and str(tmp_path / "data") not in first  # no machine paths
+    shutil.rmtree(tmp_path / "runs")  # another machine: nothing stored
+    reproduce.main(_args(tmp_path, "--methods", "fromp", "--seeds", "0"))
+    report = out.read_text()
+    assert none_row in report.splitlines() and "| fromp " in report
+    assert "Rows kept from the previous version of this report" in report and ": none." in report
+    assert report.count("**none** (seed 0)") == 1 and report.count("**fromp** (seed 0)") == 1
+    assert "--methods none" in report  # the kept row's command
+    reproduce.main(_args(tmp_path, "--methods", "fromp", "--seeds", "0", "--no-keep"))
+    assert "| none |" not in out.read_text()
