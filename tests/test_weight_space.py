@@ -453,7 +453,10 @@ def test_blr_kron_posterior_is_carried_as_prior():
 
     torch.set_num_threads(1)
     delta = 1.0
-    params = {"structure": "kron", "init_precision": 100.0, "prior_precision": delta}
+    # T = 1: the posterior itself is carried. The step is bounded by damping rather than clip_radius: a clip
+    # caps how far task 2 can move whatever its prior, which would hide the pull this test looks for.
+    params = {"structure": "kron", "init_precision": 100.0, "prior_precision": delta, "temperature": 1.0,
+              "damping": 0.1, "clip_radius": None}
     stream = make_stream("synthetic", scenario="task", n_tasks=2, n_train=40, n_test=20, n_features=5, seed=3)
     model = build_model("mlp", (5,), stream.n_outputs, stream.n_heads, hidden=(8,), generator=torch.Generator().manual_seed(0))
     method = build_method("blr", params, seed=0)
