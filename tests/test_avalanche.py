@@ -321,6 +321,25 @@ def test_split_digits_blr_recipe_same_as_run_stream(av):
     _assert_tree_close(method_lib.state_dict(), plugin.method.state_dict(), "blr.state_dict()", rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("params", [
+    {"curvature": "price", "init_hess": 0.1, "mc_samples": 1},  # IVON's estimator, a data-scale start
+    {"structure": "kron", "temperature": 0.1},  # a tempered Kronecker prior S₀ + D/T
+    {"damping": 0.1, "clip_radius": None, "init_hess": 0.05},  # a damped step, D restarted at N h₀
+], ids=["price", "kron-tempered", "damped"])
+def test_blr_engine_options_same_as_run_stream(av, params):
+    """The BLR engine's options (S = S₀ + D: the Price estimator, a tempered Kronecker prior, damping and
+    init_hess) train the same through the plugin as through run_stream: bit-identical weights and state."""
+    stream = _stream()
+    init = copy.deepcopy(_model(stream).state_dict())
+    train = _train()
+    acc_lib, model_lib, method_lib = _run_library("blr", stream, init, train, params=params)
+    acc_av, model_av, plugin = _run_avalanche(av, "blr", stream, init, train, params=params)
+    _assert_matrices_agree(acc_lib, acc_av)
+    _assert_tree_close(model_lib.state_dict(), model_av.state_dict(), "weights", rtol=0, atol=0)
+    _assert_tree_close(method_lib.state_dict(), plugin.method.state_dict(), "blr.state_dict()", rtol=0, atol=0)
+    assert not torch.equal(model_lib.state_dict()["body.1.weight"], init["body.1.weight"])  # it trained
+
+
 @pytest.mark.parametrize("name", FROMP_FAMILY or ("fromp",))
 def test_fromp_memory_and_kernels_equal_run_stream(av, name):
     """The memorable points (indices into the task's training set), the old predictions and the kernels
@@ -561,7 +580,8 @@ def test_blr_optimizer_survives_avalanche_resets(av, structure):
     stream = _stream()
     benchmark = av.stream_to_benchmark(stream)
     plugin = av.BLRPlugin("blr", {"prior_precision": 2.0, "init_precision": 4.0, "structure": structure,
-                                  "precision_debias": True, "clip_radius": 50.0}, seed=0)
+                                  "precision_debias": True, "clip_radius": 50.0, "damping": 0.05,
+                                  "init_hess": 0.01}, seed=0)
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = MTSimpleMLP(input_size=10, hidden_size=16)
@@ -574,7 +594,8 @@ def test_blr_optimizer_survives_avalanche_resets(av, structure):
             ends.append(plugin.optimizer.posterior())
     (opt0, _, _), (opt1, prior1, start1) = seen
     assert opt0 is opt1 is plugin.method.optimizer
-    assert opt1.debias and opt1.clip_radius == 50.0  # the settings survive the rebuild for the new head
+    # the settings survive the rebuild for the new head
+    assert opt1.debias and opt1.clip_radius == 50.0 and opt1.damping == 0.05 and opt1.init_hess == 0.01
     body, head1 = "model.features.0.weight", "model.classifier.classifiers.1.classifier.weight"
     end0 = ends[0].covariance_diag()
     assert head1 not in end0 and head1 in ends[1].mean
