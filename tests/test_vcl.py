@@ -464,6 +464,6 @@ def test_vcl_params_validation():
                           ({"lr": 0}, "lr"), ({"log_var_lr": -1.0}, "log_var_lr"),
                           ({"prior_precision": 0}, "prior_precision"), ({"curvature": "hessian"}, "curvature"),
                           ({"predict_samples": -1}, "predict_samples"), ({"beta1": 1.0}, "beta1"),
-                          ({"ml_init_epochs": -1}, "ml_init_epochs"), ({"coreset_epochs": -2}, "coreset_epochs")]:
+                          ({"ml_init_epochs": -1}, "ml_init_epochs"), ({"damping": -1.0}, "damping"), ({"coreset_epochs": -2}, "coreset_epochs")]:
         with pytest.raises(ConfigError, match=field):
             build_method("vcl", params)

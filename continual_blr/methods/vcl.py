@@ -100,6 +100,7 @@ class VCLParams:
             gradients; ``"ggn"``, ``"mc_fisher"``, ``"gauss_newton"``; see :mod:`continual_blr.optim.blr`).
         precision_debias: vogn only: the BLR's bias-corrected precision rate.
         clip_radius: vogn only: the BLR's elementwise bound on the preconditioned step (None: none).
+        damping: vogn only: γ ≥ 0, the BLR's step-only damping N γ (the carried posterior does not depend on it).
         ml_init_epochs: epochs of maximum-likelihood training of the means before task 1 (0: off).
         coreset_size: held-out examples per task (0: no coreset).
         coreset_kind: ``"random"`` or ``"kcenter"``.
@@ -119,6 +120,7 @@ class VCLParams:
     curvature: str = "empirical_fisher"
     precision_debias: bool = False
     clip_radius: float | None = None
+    damping: float = 0.0
     ml_init_epochs: int = 0
     coreset_size: int = 0
     coreset_kind: str = "random"
@@ -145,6 +147,8 @@ class VCLParams:
             raise ValueError(f"params.beta1: must be in [0, 1), got {self.beta1}")
         if self.curvature not in VOGN_CURVATURES:
             raise ValueError(f"params.curvature: got {self.curvature!r}; allowed: {', '.join(map(repr, VOGN_CURVATURES))}")
+        if not self.damping >= 0:
+            raise ValueError(f"params.damping: must be >= 0, got {self.damping}")
         if self.ml_init_epochs < 0:
             raise ValueError(f"params.ml_init_epochs: must be >= 0, got {self.ml_init_epochs}")
         if self.coreset_size < 0:
@@ -225,6 +229,8 @@ class VCLMethod(Method):
             clip_radius=p.clip_radius,
             curvature=p.curvature,
             precision_debias=p.precision_debias,
+            damping=p.damping,
+            init_hess=None,  # VCL's own start: q_{t−1} warm, e^{−init_log_variance} for a new head
         )
 
     def blr_params(self) -> BLRParams:
