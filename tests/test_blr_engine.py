@@ -208,3 +208,41 @@ def test_blr_defaults_on_mnist_like_data_keep_weights_and_margins_bounded(gen):
             margin = float((top2[:, 0] - top2[:, 1]).median())
             assert math.isfinite(margin) and margin < 50.0, f"task {task.task_id}: median logit margin {margin:.3g}"
     assert min(result.acc_matrix[i][i] for i in range(2)) >= 0.75
+
+
+def test_ivon_is_the_price_blr_and_carries_its_posterior_divided_by_t():
+    """``ivon`` runs IVON's recipe in the BLR (Price curvature, ρ = 1 − β₂, D₀ = λ h₀ at each task start); at
+    the boundary the prior of task 2 is task 1's posterior with its data part divided by T, compared with a
+    snapshot of the optimiser's state taken before the boundary runs."""
+    from continual_blr.data import make_stream
+    from continual_blr.loop import fit_task
+    from continual_blr.models import build_model
+
+    torch.set_num_threads(1)
+    stream = make_stream("synthetic", scenario="task", n_tasks=2, n_train=40, n_test=20, n_features=5, seed=3)
+    model = build_model("mlp", (5,), stream.n_outputs, stream.n_heads, hidden=(8,), generator=torch.Generator().manual_seed(0))
+    method = build_method("ivon", {"temperature": 0.5, "hess_init": 0.02}, seed=0)
+    train = TrainConfig(epochs=3, batch_size=16)
+    snap = {}
+    end = method.on_task_end
+
+    def spy_end(model_, task, optimizer=None):
+        snap["mean"] = {k: v.detach().clone() for k, v in model_.named_parameters()}
+        snap["s0"] = {k: v.clone() for k, v in optimizer.prior.precision.items()}
+        snap["data"] = {k: v.clone() for k, v in optimizer.data_precision.items()}
+        end(model_, task, optimizer)
+
+    method.on_task_end = spy_end
+    method.setup(model, stream, train)
+    opt = method.optimizer
+    assert opt.curvature == "price" and opt.init_hess == 0.02 and abs(opt.param_groups[0]["rho"] - 0.001) < 1e-12
+    fit_task(model, stream.tasks[0], method, train, seen=stream.tasks[:1], generator=torch.Generator(), progress=False)
+    prior = opt.prior
+    for k in snap["mean"]:
+        torch.testing.assert_close(prior.mean[k], snap["mean"][k], rtol=0, atol=0)
+        torch.testing.assert_close(prior.precision[k], snap["s0"][k] + snap["data"][k] / 0.5, rtol=1e-6, atol=1e-6)
+    used = "body.1.weight"
+    assert float((prior.precision[used] - snap["s0"][used]).min()) > 0  # the data part is positive everywhere
+    # the next task's first step restarts the data part at λ h₀ (λ = ess_factor · N_t)
+    method.make_optimizer(model, stream.tasks[1], train)
+    assert opt._t == 0 and opt.n_data == 20 * stream.tasks[1].n_train

@@ -74,7 +74,9 @@ def test_prior_forgets_less_than_no_prior():
     forgets nothing), fine-tuning forgets, and the BLR's posterior-as-prior forgets less than half as
     much and keeps a high final average."""
     none = _run("none", scenario="class", epochs=5)
-    blr = _run("blr", scenario="class", epochs=5)
+    # one shared head: the scenario wants a colder carried prior than the library default's T = 0.01 (0.001
+    # already costs the third task its plasticity here; see docs/methods_weight_space.md)
+    blr = _run("blr", scenario="class", epochs=5, params={"temperature": 0.003})
     for r in (none, blr):
         assert min(r.acc_matrix[i][i] for i in range(3)) >= JUST_TRAINED_MIN, (r.method, r.acc_matrix)
     assert none.forgetting >= FINE_TUNING_FORGETS_MIN, none.acc_matrix

@@ -404,8 +404,6 @@ E2E_CLASS_AVG_MIN = 0.7  # final average, class scenario (input-blind: <= 0.25)
 def test_methods_run_end_to_end(name, params, scenario):
     """Each method trains a 2-task stream to accuracies no input-blind predictor reaches (bounds above),
     and its state_dict restores the same regulariser / prior into a fresh method."""
-    if name == "ivon":
-        pytest.importorskip("ivon")
     torch.set_num_threads(1)
     stream = make_stream("synthetic", scenario=scenario, n_tasks=2, n_train=40, n_test=20, n_features=5, seed=3)
     model = build_model("mlp", (5,), stream.n_outputs, stream.n_heads, hidden=(8,), generator=torch.Generator().manual_seed(0))
@@ -428,7 +426,7 @@ def test_methods_run_end_to_end(name, params, scenario):
     theta = {k: p.detach() + 0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1))
              for k, p in model.named_parameters()}
     batch = Batch(stream.tasks[1].x_train[:4], stream.tasks[1].y_train[:4], stream.tasks[1].head)
-    if name == "blr":
+    if name in ("blr", "ivon"):  # ivon is the IVON-form BLR
         before, after = method.posterior().quadratic(theta), fresh.optimizer.prior.quadratic(theta)
     else:
         before = method.regularizer.penalty(model, batch, stream.tasks[1], theta)
@@ -529,44 +527,8 @@ def test_blr_kron_posterior_is_carried_as_prior():
 
 
 # ----------------------------------------------------------------------------------------------
-# IVON (optional dependency)
+# IVON (the IVON-form BLR; its carried prior is tested in tests/test_blr_engine.py)
 # ----------------------------------------------------------------------------------------------
-def test_ivon_carries_the_posterior_as_a_prior_term():
-    """The prior term of task 2 is IVON's posterior at the end of task 1, snapshotted before the task
-    boundary runs: mean = the weights then, precision = λ(h + w) then (grown from the data, not the
-    initial δ = 1); task 2's IVON starts at that precision."""
-    pytest.importorskip("ivon")
-    torch.set_num_threads(1)
-    stream = make_stream("synthetic", scenario="task", n_tasks=2, n_train=40, n_test=20, n_features=5, seed=3)
-    model = build_model("mlp", (5,), stream.n_outputs, stream.n_heads, hidden=(8,), generator=torch.Generator().manual_seed(0))
-    method = build_method("ivon", {"lr": 0.05, "prior_precision": 1.0}, seed=0)
-    train = TrainConfig(epochs=2, batch_size=16)
-    from continual_blr.loop import fit_task
-
-    snap = {}
-    end = method.on_task_end
-
-    def spy_end(model_, task, optimizer=None):  # before the boundary: the weights and IVON's λ(h + w)
-        snap["weights"] = flatten(_weights(model_))
-        snap["precision"] = optimizer.precision().detach().clone()
-        end(model_, task, optimizer)
-
-    method.on_task_end = spy_end
-    method.setup(model, stream, train)
-    fit_task(model, stream.tasks[0], method, train, seen=stream.tasks[:1], generator=torch.Generator(), progress=False)
-    prior = method.prior
-    assert method.regularizer.terms == [prior]
-    torch.testing.assert_close(flatten(prior.mean), snap["weights"], rtol=0, atol=0)
-    torch.testing.assert_close(flatten(prior.precision), snap["precision"], rtol=0, atol=0)
-    assert float((snap["precision"] - 1.0).abs().max()) > 1.0  # IVON's estimate moved away from δ = 1
-    # warm start of task 2: IVON's λ(h + w) equals the prior precision
-    opt = method.make_optimizer(model, stream.tasks[1], train)
-    torch.testing.assert_close(opt.precision(), snap["precision"], rtol=1e-5, atol=1e-6)
-    # the loss is taken at a weight sample and step() refuses to run without one
-    with pytest.raises(RuntimeError, match="sample"):
-        opt.step()
-
-
 def test_ivon_runs_reproducibly():
     pytest.importorskip("ivon")
     torch.set_num_threads(1)
