@@ -3,7 +3,6 @@ brute force: per-example Fisher loops, dense GGNs, hand-written K-FAC factors an
 
 import copy
 import dataclasses
-import importlib.util
 import math
 
 import pytest
@@ -377,10 +376,11 @@ def test_gaussian_prior_validation():
 # blobs with balanced test sets (10 + 10 examples per task), so a network that ignores its input
 # scores exactly 0.5 on a task's own 2-way head (task scenario) and, on the one 4-way head of the
 # class scenario, at most 0.5 on one task and 0 on the other (uniform guessing: 0.25 on each).
-# Measured at these settings (model seeds 0-5, 10 epochs, Adam 0.02): the task scenario reaches
-# R[i][i] >= 0.95 and an average >= 0.95 for every method listed; the class scenario R[i][i] >= 0.9
-# except L2 (its pull on the whole shared head costs the second task: 0.45-0.9, 0.65 at seed 0) and an
-# average >= 0.725 (0.775 at seed 0).
+# Measured at these settings (model seeds 0-5, 10 epochs, Adam 0.02; the test runs seed 0): the task
+# scenario reaches R[i][i] >= 0.95 and an average >= 0.95 for every method listed; the class scenario
+# R[i][i] >= 0.9 and an average >= 0.725 (0.775 at seed 0) except where a strong pull on the shared head
+# costs the second task: L2 0.45-0.9 (0.65 at seed 0), the BLR defaults (T = 0.01) 0.0-0.9 (0.75 at seed
+# 0), the Kronecker BLR 0.5-0.9 (0.9 at seed 0), IVON 0.7-1.0 (1.0 at seed 0).
 E2E_TASK_MIN = 0.85  # R[i][i] and the final average, task scenario (chance 0.5)
 E2E_CLASS_JUST_TRAINED_MIN = 0.6  # R[i][i], class scenario (input-blind: <= 0.5)
 E2E_CLASS_AVG_MIN = 0.7  # final average, class scenario (input-blind: <= 0.25)
@@ -530,7 +530,6 @@ def test_blr_kron_posterior_is_carried_as_prior():
 # IVON (the IVON-form BLR; its carried prior is tested in tests/test_blr_engine.py)
 # ----------------------------------------------------------------------------------------------
 def test_ivon_runs_reproducibly():
-    pytest.importorskip("ivon")
     torch.set_num_threads(1)
     stream = make_stream("synthetic", scenario="class", n_tasks=2, n_train=40, n_test=20, n_features=5, seed=3)
     accs = []
@@ -545,8 +544,6 @@ def test_ivon_runs_reproducibly():
 
 def test_params_dataclasses_roundtrip():
     for name in ("ewc", "laplace", "l2", "vcl", "ivon"):
-        if name == "ivon" and importlib.util.find_spec("ivon") is None:
-            continue
         cls = METHODS[name][1]
         assert dataclasses.is_dataclass(cls)
         method = build_method(name, dataclasses.asdict(cls()))
