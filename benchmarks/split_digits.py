@@ -101,12 +101,16 @@ ROWS: list[Row] = [
     Row("vcl (vogn)", "vcl"),
     Row("vcl (bbb)", "vcl_bbb"),
     Row("vcl (vogn) + k-center coreset", "vcl_coreset"),
-    Row("blr (diag, GGN)", "blr"),
-    # ablations of blr.yaml: VOGN's curvature, the plain precision rate, and the earlier VOGN recipe
+    Row("blr (diag, GGN; library defaults)", "blr"),
+    # ablations of blr.yaml (the library defaults): VOGN's curvature, the Price estimate, the plain precision
+    # rate, no step clip, and the earlier VOGN recipe (EF, α 0.2, δ 1, ess 1, T 1, no debias, no clip)
     Row("blr, empirical Fisher ĥ", "blr", {"curvature": "empirical_fisher"}),
+    Row("blr, Price ĥ (h₀ 0.01)", "blr", {"curvature": "price", "init_hess": 0.01}),
     Row("blr, no precision debias", "blr", {"precision_debias": False}),
+    Row("blr, no step clip", "blr", {"clip_radius": None}),
     Row("blr, VOGN recipe (EF, α 0.2, T 1)", "blr",
-        {"curvature": "empirical_fisher", "precision_debias": False, "lr": 0.2, "temperature": 1.0}),
+        {"curvature": "empirical_fisher", "precision_debias": False, "lr": 0.2, "temperature": 1.0,
+         "clip_radius": None, "ess_factor": 1.0, "prior_precision": 1.0, "init_precision": 400.0}),
     Row("ivon", "ivon"),
     Row("fromp", "fromp"),
     Row("frorp", "fromp", name="frorp"),

@@ -19,12 +19,10 @@ from .methods.base import TrainConfig
 __all__ = ["ConfigError", "StreamConfig", "ModelConfig", "MethodConfig", "RunConfig", "from_dict", "DEFAULT_CONFIG"]
 
 
-SPLIT_DIGITS_BLR: dict[str, Any] = {"ess_factor": 20.0, "prior_precision": 100.0, "curvature": "ggn",
-                                    "precision_debias": True, "lr": 0.03, "temperature": 0.01}
-"""BLR parameters of the embedded split-digits run (configs/split_digits/blr.yaml): the exact GGN as ĥ,
-the bias-corrected precision rate, mean step α = 0.03, a tempered likelihood (20·N), a first prior
-N(0, 0.01·I) at the scale of the network's initial weights and a carried prior at temperature 0.01
-(chosen on seeds 100-109, checked on 110-129; docs/methods_weight_space.md)."""
+SPLIT_DIGITS_BLR: dict[str, Any] = {}
+"""BLR parameters of the embedded split-digits run (configs/split_digits/blr.yaml): the library defaults of
+``BLRParams`` (GGN ĥ, debiased precision rate, α 0.03, step clip 0.3, ess 20, δ 100, T 0.01), chosen on a
+validation split of the training data (benchmarks/results/search_blr.md)."""
 SPLIT_DIGITS_FROMP: dict[str, Any] = {"tau": 10.0, "n_points": 40, "prior_precision": 1e-3, "jitter": 1e-6,
                                       "classes": "task"}
 """FROMP parameters of the embedded run: the reference code's split-MNIST values (not tuned)."""
