@@ -102,10 +102,9 @@ ROWS: list[Row] = [
     Row("vcl (bbb)", "vcl_bbb"),
     Row("vcl (vogn) + k-center coreset", "vcl_coreset"),
     Row("blr (diag, GGN; library defaults)", "blr"),
-    # ablations of blr.yaml (the library defaults): VOGN's curvature, the Price estimate, the plain precision
+    # ablations of blr.yaml (the library defaults): VOGN's curvature, the plain precision
     # rate, no step clip, and the earlier VOGN recipe (EF, α 0.2, δ 1, ess 1, T 1, no debias, no clip)
     Row("blr, empirical Fisher ĥ", "blr", {"curvature": "empirical_fisher"}),
-    Row("blr, Price ĥ (h₀ 0.01)", "blr", {"curvature": "price", "init_hess": 0.01}),
     Row("blr, no precision debias", "blr", {"precision_debias": False}),
     Row("blr, no step clip", "blr", {"clip_radius": None}),
     Row("blr, VOGN recipe (EF, α 0.2, T 1)", "blr",
