@@ -193,8 +193,8 @@ def previous_report(out: Path) -> tuple[list[str], dict[str, str], dict[str, lis
     commands, rows, matrices = [], {}, {}
     in_table = False
     for i, line in enumerate(lines):
-        if line.startswith("python benchmarks/reproduce.py"):
-            commands.append(line)
+        if line.startswith("python benchmarks/reproduce.py"):  # machine paths of older versions hidden too
+            commands.append(re.sub(r"--data-dir[ =](?!\$CONTINUAL_BLR_DATA)\S+", "--data-dir $CONTINUAL_BLR_DATA", line))
         if line.startswith("| method |"):
             in_table = True
             continue

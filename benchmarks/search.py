@@ -288,9 +288,12 @@ def write_report(out: Path, *, benchmark: str, config: str, base, grid: dict[str
             runner = max(others, key=lambda i: statistics.fmean(r["avg_acc"] for r in records[i]))
             diffs = [100 * (a["avg_acc"] - b["avg_acc"]) for a, b in zip(records[best], records[runner])]
             dm, ds = _ms(diffs)
-            verdict = "larger than" if dm > ds else "within"
+            if len(diffs) < 2:
+                verdict = "one seed: no seed-to-seed spread to compare it with"
+            else:
+                verdict = ("larger than" if dm > ds else "within") + " its seed-to-seed spread"
             lines += ["", f"Runner-up: {labels[runner]}; paired difference (chosen − runner-up, same seeds) "
-                      f"{dm:+.2f} ± {ds:.2f} points, {verdict} its seed-to-seed spread."]
+                      f"{dm:+.2f} ± {ds:.2f} points, {verdict}."]
     if test_records:
         m, s = _ms([100 * r["avg_acc"] for r in test_records])
         fg, _ = _ms([100 * r["forgetting"] for r in test_records])

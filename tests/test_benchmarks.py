@@ -282,12 +282,13 @@ def test_reproduce_keeps_rows_whose_runs_are_not_stored_here(tmp_path):
     first = out.read_text()
     none_row = next(line for line in first.splitlines() if line.startswith("| none |"))
     assert "$CONTINUAL_BLR_DATA" in first and str(tmp_path / "data") not in first  # no machine paths
+    out.write_text(out.read_text().replace("--data-dir $CONTINUAL_BLR_DATA", "--data-dir /old/machine/data"))
     shutil.rmtree(tmp_path / "runs")  # another machine: nothing stored
     reproduce.main(_args(tmp_path, "--methods", "fromp", "--seeds", "0"))
     report = out.read_text()
     assert none_row in report.splitlines() and "| fromp " in report
     assert "Rows kept from the previous version of this report" in report and ": none." in report
     assert report.count("**none** (seed 0)") == 1 and report.count("**fromp** (seed 0)") == 1
-    assert "--methods none" in report  # the kept row's command
+    assert "--methods none" in report and "/old/machine" not in report  # the kept row's command, no machine path
     reproduce.main(_args(tmp_path, "--methods", "fromp", "--seeds", "0", "--no-keep"))
     assert "| none |" not in out.read_text()
