@@ -331,9 +331,9 @@ def report(records: Records, seeds: list[int], wall: float, command: str, thread
         "λ-equiv.: the strength on EWC's scale (task / class where the two configs differ). EWC adds "
         "(λ/2) Σ_k F̄_k (θ − θ*_k)² to the mean loss, F̄_k the per-example-mean Fisher of past task k, so λ = N_k/N_t "
         "≈ 1 is the Bayesian weight of a past task; Laplace's and the BLR's temperature T divide the summed "
-        "curvature N_k F̄_k, which is λ = 1/T for tasks of equal size (here 283-291 training images each); VCL and IVON "
-        "carry their posterior at T = 1; l2 and FROMP have no equivalent (`benchmarks/strength.py`, "
-        "docs/benchmarks.md).",
+        "curvature N_k F̄_k, which is λ = 1/T for tasks of equal size (here 283-291 training images each); IVON's "
+        "temperature maps the same way; VCL carries its posterior at T = 1; l2 and FROMP have no equivalent "
+        "(`benchmarks/strength.py`, docs/benchmarks.md).",
         "",
         "Caveats: (1) Five seeds rank rows only where the paired Δ none is large against its spread; several "
         "task-scenario rows are within noise of each other. (2) vcl (vogn) without a coreset does not beat none in "

@@ -7,8 +7,8 @@ task k, i.e. ``(1/2) Σ_k (N_k / (N_t T)) F̄_k (θ − m)²``: the same weight 
 ``λ = N_k / (N_t T)``, which is ``1/T`` for equal-sized tasks. λ = 1 (T = 1) is sequential Bayes;
 λ > 1 (T < 1) over-counts the past. The BLR's temperature divides the precision a task added before it
 becomes the next prior (its ``ess_factor`` scales the new likelihood and the carried precision alike),
-so it maps the same way; VCL and IVON carry the posterior at T = 1. L2 (an isotropic pull, no Fisher)
-and the functional methods (FROMP's τ) have no such equivalent.
+so it maps the same way, and so does IVON's (the IVON-form BLR); VCL carries its posterior at T = 1.
+L2 (an isotropic pull, no Fisher) and the functional methods (FROMP's τ) have no such equivalent.
 """
 
 from __future__ import annotations
@@ -17,22 +17,24 @@ from typing import Any
 
 __all__ = ["lam_equivalent", "format_lam"]
 
-_AT_T1 = ("vcl", "ivon")  # the previous posterior is the prior, untempered
-
-
 def lam_equivalent(name: str, params: dict[str, Any] | None = None) -> float | None:
     """EWC's λ that gives a past task of the same size the same weight as method ``name`` with
-    ``params`` (defaults filled in from the method's params class); None where there is no equivalent."""
+    ``params`` (defaults filled in from the method's params class); None where there is no equivalent.
+
+    EWC: its λ; a method whose params have a ``temperature`` T (Laplace, BLR, IVON): 1/T; VCL: 1; none: 0.
+    """
     from continual_blr.methods import build_method
 
     if name == "none":
         return 0.0
-    if name in _AT_T1:
+    if name == "vcl":
         return 1.0
-    if name not in ("ewc", "laplace", "blr"):
-        return None
-    p = build_method(name, params or {}).params
-    return float(p.lam) if name == "ewc" else 1.0 / float(p.temperature)
+    p = getattr(build_method(name, params or {}), "params", None)
+    if name == "ewc":
+        return float(p.lam)
+    if p is not None and hasattr(p, "temperature"):
+        return 1.0 / float(p.temperature)
+    return None
 
 
 def format_lam(value: float | None) -> str:

@@ -255,6 +255,7 @@ def test_lam_equivalent_maps_temperatures_to_ewc_lambda():
     assert strength.lam_equivalent("ewc", {}) == 1000.0  # EWC's default
     assert strength.lam_equivalent("laplace", {"temperature": 0.04}) == pytest.approx(25.0)
     assert strength.lam_equivalent("blr", {"temperature": 0.5}) == pytest.approx(2.0)
+    assert strength.lam_equivalent("ivon", {"temperature": 0.1}) == pytest.approx(10.0)
     assert strength.lam_equivalent("vcl") == 1.0 and strength.lam_equivalent("none") == 0.0
     assert strength.lam_equivalent("l2", {"lam": 3.0}) is None and strength.lam_equivalent("fromp") is None
     assert [strength.format_lam(v) for v in (None, 1e4, 33.333, 0.1, 1e-4)] == ["-", "10000", "33.3", "0.1", "0.0001"]
