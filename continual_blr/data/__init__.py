@@ -9,7 +9,7 @@ the loaders import them when called.
 """
 
 from .arrays import NPZ_KEYS, ArraySplits, load_npz_arrays, to_float
-from .builders import draw_permutations, permuted_tasks, split_tasks
+from .builders import draw_permutations, hold_out_validation, permuted_tasks, split_tasks
 from .cifar import load_cifar10, load_cifar100, split_cifar, split_cifar10
 from .digits import load_digits_arrays, permuted_digits, split_digits
 from .mnist import load_mnist, permuted_mnist, split_mnist
@@ -47,6 +47,7 @@ __all__ = [
     "split_tasks",
     "permuted_tasks",
     "draw_permutations",
+    "hold_out_validation",
     # where data lives
     "DATA_ENV_VAR",
     "DataNotFoundError",
