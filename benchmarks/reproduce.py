@@ -72,7 +72,9 @@ HIGHER_ANCHORS: dict[tuple[str, str], tuple[float, str]] = {
 }
 
 
-def _load_config(benchmark: str, method: str, args: argparse.Namespace):
+def _load_config(benchmark: str, method: str, args: argparse.Namespace, prog: str = "reproduce"):
+    """The run config ``configs/<benchmark>/<method>.yaml`` with the command's scenario, data root, validation,
+    device and mode (``args``: configs_dir, scenario, data_dir, validation, device, quick, no_progress)."""
     import yaml
 
     from continual_blr.config import RunConfig, from_dict
@@ -81,7 +83,7 @@ def _load_config(benchmark: str, method: str, args: argparse.Namespace):
     path = folder / f"{method}.yaml"
     if not path.is_file():
         available = sorted(p.stem for p in folder.glob("*.yaml"))
-        raise SystemExit(f"reproduce: no config {path}; available for {benchmark}: {', '.join(available) or 'none'}")
+        raise SystemExit(f"{prog}: no config {path}; available for {benchmark}: {', '.join(available) or 'none'}")
     cfg = from_dict(RunConfig, yaml.safe_load(path.read_text()) or {})
     if args.scenario:
         cfg.stream.scenario = args.scenario

@@ -53,6 +53,7 @@ def _sibling(name: str):
 
 
 strength = _sibling("strength")
+reproduce = _sibling("reproduce")
 
 
 # ----------------------------------------------------------------------------- the grid
@@ -130,25 +131,11 @@ def _safe(label: str) -> str:
 
 
 def load_base(benchmark: str, config: str, args: argparse.Namespace):
-    """The run config ``configs/<benchmark>/<config>.yaml`` with the command's scenario, data root and mode."""
-    import yaml
-
-    from continual_blr.config import RunConfig, from_dict
-
-    folder = Path(args.configs_dir) / benchmark
-    path = folder / f"{config}.yaml"
-    if not path.is_file():
-        available = sorted(p.stem for p in folder.glob("*.yaml"))
-        raise SystemExit(f"search: no config {path}; available for {benchmark}: {', '.join(available) or 'none'}")
-    cfg = from_dict(RunConfig, yaml.safe_load(path.read_text()) or {})
-    if args.scenario:
-        cfg.stream.scenario = args.scenario
-    if args.data_dir:
-        cfg.stream.data_dir = args.data_dir
-    cfg.quick = args.quick
-    cfg.progress = False
-    cfg.device = "cpu"
-    return cfg
+    """The run config ``configs/<benchmark>/<config>.yaml`` with the command's scenario, data root and mode
+    (reproduce.py's loader; CPU, no progress bars; the validation fraction is set per run)."""
+    opts = argparse.Namespace(configs_dir=args.configs_dir, scenario=args.scenario, data_dir=args.data_dir,
+                              validation=0.0, device="cpu", quick=args.quick, no_progress=True)
+    return reproduce._load_config(benchmark, config, opts, prog="search")
 
 
 def run_key(cfg) -> dict[str, Any]:

@@ -200,3 +200,23 @@ def kernel(j: Tensor, sigma: Tensor, blockwise: bool) -> Tensor:
         return full
     f4 = full.reshape(m, k, m, k)
     return torch.stack([f4[:, c, :, c] for c in range(k)])
+
+
+class Linear(nn.Module):
+    """f(x) = x·w with w ∈ ℝᵈ (float64, starting at 0): Bayesian linear regression's model."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(d, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ self.w
+
+
+def quadratic_closure(model: nn.Module, x: Tensor, y: Tensor, sigma: float):
+    """The BLR closure of Gaussian regression: params ↦ per-example ½ (y − f(x))² / σ²."""
+
+    def closure(params):
+        return 0.5 * (y - torch.func.functional_call(model, params, (x,))) ** 2 / sigma**2
+
+    return closure

@@ -6,6 +6,8 @@ import torch
 from torch import nn
 
 import oracles as O
+from oracles import Linear
+from oracles import quadratic_closure as _closure
 from continual_blr.models import MLP
 from continual_blr.optim import VOGN, VON, BayesianLearningRule
 from continual_blr.optim.blr import BatchClosure
@@ -17,28 +19,11 @@ REL_CONJUGATE = 1e-8  # sequential vs batch Bayes, exact up to round-off
 LAPLACE_TOL = dict(rtol=1e-6, atol=1e-9)
 
 
-class Linear(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.w = nn.Parameter(torch.zeros(d, dtype=DT))
-
-    def forward(self, x):
-        return x @ self.w
-
-
 def _regression_data(g, n=250, d=6, sigma=0.3):
     x = torch.randn(n, d, generator=g, dtype=DT)
     w_true = torch.randn(d, generator=g, dtype=DT)
     y = x @ w_true + sigma * torch.randn(n, generator=g, dtype=DT)
     return x, y, sigma
-
-
-def _closure(model, x, y, sigma):
-    def closure(params):
-        pred = torch.func.functional_call(model, params, (x,))
-        return 0.5 * (y - pred) ** 2 / sigma**2
-
-    return closure
 
 
 def _batch_posterior(x, y, sigma, delta, m0):

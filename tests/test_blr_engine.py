@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from continual_blr.data.stream import Task, TaskStream
+from oracles import Linear
+from oracles import quadratic_closure as _closure
 from continual_blr.loop import run_stream
 from continual_blr.methods import TrainConfig, build_method
 from continual_blr.models import MLP
@@ -21,15 +23,6 @@ FIXED_POINT_MC = dict(rtol=2e-2, atol=2e-3)
 PRICE_MC_RTOL = 0.1  # the averaged Price estimate of diag(H) (one weight sample per step)
 
 
-class Linear(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.w = nn.Parameter(torch.zeros(d, dtype=DT))
-
-    def forward(self, x):
-        return x @ self.w
-
-
 def _regression(gen, n=200, d=4, sigma=0.5):
     # correlated inputs, so that the mean-field posterior differs from the full one
     mix = torch.eye(d, dtype=DT) + 0.6 * torch.randn(d, d, generator=gen, dtype=DT)
@@ -37,13 +30,6 @@ def _regression(gen, n=200, d=4, sigma=0.5):
     w = torch.randn(d, generator=gen, dtype=DT)
     y = x @ w + sigma * torch.randn(n, generator=gen, dtype=DT)
     return x, y, sigma
-
-
-def _closure(model, x, y, sigma):
-    def closure(params):
-        return 0.5 * (y - torch.func.functional_call(model, params, (x,))) ** 2 / sigma**2
-
-    return closure
 
 
 @pytest.mark.parametrize("safeguard", [{}, {"damping": 5.0}, {"clip_radius": 0.02}],

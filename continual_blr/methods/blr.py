@@ -169,4 +169,4 @@ class BLRMethod(Method):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if self.optimizer is not None and "posterior" in state:
-            self.optimizer.set_prior(load_posterior(state["posterior"]), reset_precision=True)
+            self.optimizer.set_prior(load_posterior(state["posterior"]))

@@ -94,6 +94,17 @@ CURVATURES = ("price", "gauss_newton", "hessian") + ENGINE_CURVATURES
 # ----------------------------------------------------------------------------------------------
 # Pure update functions (one per line of the algorithm in the module docstring)
 # ----------------------------------------------------------------------------------------------
+def _diag_data_update_(data: list[Tensor], h: list[Tensor], rho: float, positivity: bool) -> None:
+    """In place over tensor lists: D ← (1 − ρ) D + ρ ĥ [+ ½ ρ² (D − ĥ)² / D] (see :func:`blr_data_update`)."""
+    if positivity:  # D − ρ(D − ĥ) + ½ρ²(D − ĥ)²/D
+        diff = torch._foreach_sub(data, h)
+        quad = torch._foreach_div(torch._foreach_mul(diff, diff), data)
+        torch._foreach_add_(data, diff, alpha=-rho)
+        torch._foreach_add_(data, quad, alpha=0.5 * rho**2)
+    else:
+        torch._foreach_lerp_(data, h, rho)
+
+
 def blr_data_update(data: object, h: object, rho: float, positivity: bool = False) -> object:
     """D ← (1 − ρ) D + ρ ĥ, the data part of the precision S = S₀ + D, in its structure.
 
@@ -107,9 +118,10 @@ def blr_data_update(data: object, h: object, rho: float, positivity: bool = Fals
     """
     if isinstance(data, dict):
         assert isinstance(h, dict)
-        if positivity:
-            return {k: (1 - rho) * d + rho * h[k] + (0.5 * rho**2) * (d - h[k]) ** 2 / d for k, d in data.items()}
-        return {k: (1 - rho) * d + rho * h[k] for k, d in data.items()}
+        names = list(data)
+        out = [data[k].clone() for k in names]
+        _diag_data_update_(out, [h[k] for k in names], rho, positivity)
+        return dict(zip(names, out))
     if isinstance(data, Tensor):
         if positivity:
             raise ValueError("positivity correction: only for the diagonal structure")
@@ -379,12 +391,11 @@ class BayesianLearningRule(torch.optim.Optimizer):
         """D = S − S₀, the precision the current task's data added (structure as in :func:`blr_data_update`)."""
         return self._data
 
-    def set_prior(self, prior: GaussianPosterior, reset_precision: bool = False) -> None:
+    def set_prior(self, prior: GaussianPosterior) -> None:
         """Make ``prior`` the prior (e.g. the posterior of the task just finished).
 
         The data part restarts: at N h₀ I on the next step when ``init_hess`` is set, else at D = 0 (the
         posterior starts at the new prior, which for a finished task is its posterior: a warm start).
-        ``reset_precision`` is accepted for compatibility (the posterior always restarts at the prior).
         """
         if set(prior.mean) != set(self.names) or prior.structure != self.prior.structure:
             raise ValueError("set_prior: the new prior must cover the same parameters in the same structure")
@@ -633,13 +644,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
             d, scale = mom, lr / (1 - beta1**self._t)
         if self.debias:
             rho = rho / (1 - (1 - rho) ** self._t)
-        if self.curvature == "price":  # D ← D − ρ(D − ĥ) + ½ρ²(D − ĥ)²/D
-            diff = torch._foreach_sub(data, h_sum)
-            quad = torch._foreach_div(torch._foreach_mul(diff, diff), data)
-            torch._foreach_add_(data, diff, alpha=-rho)
-            torch._foreach_add_(data, quad, alpha=0.5 * rho**2)
-        else:  # D ← (1 − ρ) D + ρ ĥ
-            torch._foreach_lerp_(data, h_sum, rho)
+        _diag_data_update_(data, h_sum, rho, positivity=self.curvature == "price")  # type: ignore[arg-type]
         # m ← m − α clip_r((S₀ + D + Nγ)⁻¹ û)
         precond = torch._foreach_add(s0, data)
         if self.damping > 0:
