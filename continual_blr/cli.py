@@ -105,28 +105,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_inspect(args: argparse.Namespace) -> int:
-    from .inspect import inspect_path
-
-    if args.top is not None and args.top < 1:
-        return _fail("--top: must be a positive integer")
-    path, note = Path(args.run), ""
-    try:
-        if path.is_file() and path.suffix in (".yaml", ".yml"):
-            from .config import RunConfig, from_dict
-
-            path = Path(from_dict(RunConfig, _read_yaml(str(path))).out)
-            note = f" ({path} is the out of {args.run}; for a run written with --out DIR, pass DIR)"
-        tasks = [args.task] if args.task is not None else None
-        index, _ = inspect_path(path, out=args.out, method=args.method, tasks=tasks, top=args.top)
-    except FileNotFoundError as err:
-        return _fail((str(err).splitlines()[0] if str(err) else type(err).__name__) + note)
-    except (ValueError, TypeError, KeyError, IndexError) as err:
-        return _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
-    print(f"wrote {index}")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="continual-blr", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -144,13 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quick", action="store_true", help="fewer epochs (epochs / 5) for smoke runs; labelled in outputs")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
     run.set_defaults(func=_cmd_run)
-    ins = sub.add_parser("inspect", help="per-example scores and an HTML report for a finished run (no retraining)")
-    ins.add_argument("run", help="run folder (holding results.json) or the YAML config that wrote it")
-    ins.add_argument("--task", type=int, help="inspect only this task, 0-based index (task_id in scores.csv; default: all tasks)")
-    ins.add_argument("--top", type=int, help="memorable points per task (default: the run's stored memory or 40)")
-    ins.add_argument("--method", help="which method's saved model (default: the first method in the run's config)")
-    ins.add_argument("--out", help="report folder (default: RUN_DIR/inspect)")
-    ins.set_defaults(func=_cmd_inspect)
+    from .cli_saved import add_saved_run_parsers
+
+    add_saved_run_parsers(sub)
     return parser
 
 
