@@ -19,7 +19,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -30,7 +30,11 @@ from .methods.base import Method, TrainConfig, register_fit_task
 from .optim.blr import BatchClosure, BayesianLearningRule
 from .types import Batch, DivergenceError
 
-__all__ = ["StreamResult", "DivergenceError", "run_stream", "fit_task", "train_step", "evaluate_task", "stream_metrics"]
+__all__ = ["StreamResult", "LoopProgress", "DivergenceError", "run_stream", "fit_task", "train_step", "evaluate_task",
+           "stream_metrics"]
+
+EpochHook = Callable[[int, int, float], None]
+"""``on_epoch(task_index, epoch, mean_training_loss)``, called after every epoch of :func:`fit_task`."""
 
 
 @dataclass
@@ -67,6 +71,25 @@ class StreamResult:
     @classmethod
     def load(cls, path: str | Path) -> "StreamResult":
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+@dataclass
+class LoopProgress:
+    """Where :func:`run_stream` stands after a finished task: enough to continue it exactly.
+
+    Attributes:
+        next_task: index of the first task still to train (tasks ``0 .. next_task - 1`` are finished).
+        acc_matrix: R[i][j] so far (rows ``>= next_task`` all NaN).
+        task_times: training seconds of each finished task.
+        train_loss: last-epoch mean training loss of each finished task.
+        generator_state: the minibatch-order generator's state (``torch.Generator.get_state()``) at the boundary.
+    """
+
+    next_task: int
+    acc_matrix: list[list[float]]
+    task_times: list[float]
+    train_loss: list[float]
+    generator_state: Tensor
 
 
 def stream_metrics(acc: list[list[float]]) -> dict[str, Any]:
@@ -185,8 +208,11 @@ def fit_task(
     seen: list[Task],
     generator: torch.Generator,
     progress: bool = True,
+    on_epoch: Callable[[int, float], None] | None = None,
 ) -> float:
     """Train ``model`` on ``task`` with ``method``; returns the mean training loss of the last epoch.
+
+    ``on_epoch(epoch, mean_loss)`` (optional) is called after every epoch (for logs).
 
     Raises:
         DivergenceError: an epoch's mean training loss is not finite (checked once per epoch).
@@ -209,6 +235,8 @@ def fit_task(
                 f"{epoch + 1}; lower the step size (train.lr, or the method's lr) or bound it (train.grad_clip, "
                 "the BLR's clip_radius)")
         bar.set_postfix(loss=f"{last:.4f}")
+        if on_epoch is not None:
+            on_epoch(epoch, last)
     method.on_task_end(model, task, optimizer)
     return last
 
@@ -223,8 +251,18 @@ def run_stream(
     device: str | torch.device = "cpu",
     progress: bool = True,
     config: dict[str, Any] | None = None,
+    resume: LoopProgress | None = None,
+    restore: Callable[[nn.Module, Method], None] | None = None,
+    on_task_end: Callable[[LoopProgress, nn.Module, Method], None] | None = None,
+    on_epoch: EpochHook | None = None,
 ) -> StreamResult:
     """Train ``method`` over ``stream`` task by task and evaluate on every task seen so far.
+
+    A run can be continued from a task boundary: ``on_task_end`` receives a :class:`LoopProgress` after
+    every task (with the model and method, to checkpoint them); passing that progress back as ``resume``
+    together with ``restore`` (which loads the saved model and method state after ``method.setup``)
+    skips the finished tasks and continues with the same minibatch order, so the result equals an
+    uninterrupted run's.
 
     Args:
         model: the network (moved to ``device``); called as ``model(x, head=h)``.
@@ -235,6 +273,10 @@ def run_stream(
         device: where to train.
         progress: tqdm bars over tasks and epochs.
         config: the configuration to record in the result.
+        resume: continue from this boundary (tasks before ``resume.next_task`` are not retrained).
+        restore: ``restore(model, method)``, called after ``method.setup`` when resuming.
+        on_task_end: ``on_task_end(progress, model, method)``, called after each task is trained and evaluated.
+        on_epoch: ``on_epoch(task_index, epoch, mean_loss)``, called after every epoch.
 
     Returns:
         A :class:`StreamResult` with the accuracy matrix and its summary metrics.
@@ -248,15 +290,30 @@ def run_stream(
     method.setup(model, stream, train)
     n = len(tasks)
     acc = [[math.nan] * n for _ in range(n)]
-    times, losses = [], []
-    bar = tqdm(tasks, desc=f"{method.name} on {stream.name}", disable=not progress)
-    for i, task in enumerate(bar):
+    times: list[float] = []
+    losses: list[float] = []
+    start = 0
+    if resume is not None:
+        if restore is not None:
+            restore(model, method)
+        start = resume.next_task
+        acc = [list(row) for row in resume.acc_matrix]
+        times, losses = list(resume.task_times), list(resume.train_loss)
+        generator.set_state(resume.generator_state)
+    bar = tqdm(range(start, n), desc=f"{method.name} on {stream.name}", disable=not progress, initial=start, total=n)
+    for i in bar:
+        task = tasks[i]
         t0 = time.perf_counter()
-        losses.append(fit_task(model, task, method, train, seen=tasks[: i + 1], generator=generator, progress=progress))
+        epoch_hook = None if on_epoch is None else (lambda epoch, loss, i=i: on_epoch(i, epoch, loss))
+        losses.append(fit_task(model, task, method, train, seen=tasks[: i + 1], generator=generator, progress=progress,
+                               on_epoch=epoch_hook))
         times.append(time.perf_counter() - t0)
         for j in range(i + 1):
             acc[i][j] = evaluate_task(model, method, tasks[j], train.eval_batch_size)
         bar.set_postfix(avg_acc=f"{sum(acc[i][: i + 1]) / (i + 1):.4f}")
+        if on_task_end is not None:
+            on_task_end(LoopProgress(i + 1, [list(row) for row in acc], list(times), list(losses), generator.get_state()),
+                        model, method)
     metrics = stream_metrics(acc)
     return StreamResult(
         method=method.name,
