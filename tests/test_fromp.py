@@ -386,3 +386,31 @@ def test_methods_run_through_the_loop(name):
     if name == "frorp":  # the random selection is seeded by the method's seed
         assert all(torch.equal(a.indices, b.indices) for a, b in zip(runs[0][1].regularizer.memory,
                                                                      runs[1][1].regularizer.memory))
+
+
+def test_penalty_forward_runs_in_eval_mode_under_dropout(gen):
+    """A dropout network in train mode gives the same penalty twice, equal to the eval-mode oracle
+    ½τ Σ_c Δp_cᵀ K_c⁻¹ Δp_c; the model's own train flags are left as they were."""
+    from continual_blr.models import CifarNet
+
+    stream, tasks = _stream("task")
+    model = build_model("mlp", (4,), stream.n_outputs, stream.n_heads, hidden=(5,),
+                        generator=torch.Generator().manual_seed(0)).to(DT)
+    model.body.append(torch.nn.Dropout(0.5))  # body = Flatten, Linear, ReLU, Dropout
+    reg = FunctionalRegularizer(tau=TAU, n_points=6, prior_precision=DELTA, jitter=EPS)
+    _run_boundaries(reg, model, tasks, gen)
+    _perturb(model, gen, 0.2)
+    model.train()
+    batch = Batch(tasks[-1].x_train[:2], tasks[-1].y_train[:2], tasks[-1].head)
+    first, second = reg.penalty(model, batch, tasks[-1]), reg.penalty(model, batch, tasks[-1])
+    assert first.item() > 0.0
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+    assert all(m.training for m in model.modules())
+    model.eval()
+    expect = reg.penalty(model, batch, tasks[-1])
+    torch.testing.assert_close(first, expect, **EXACT)
+    # the train-mode forward differs under dropout (the check above could not pass by accident)
+    model.train()
+    x = reg.memory.entries[0].x
+    with torch.no_grad():
+        assert not torch.equal(model(x, head=0), model(x, head=0))

@@ -53,8 +53,11 @@ memorable points is formed in the step; the gradient Σ_c J_{p_c}ᵀ K_c⁻¹ Δ
 vector-Jacobian product autograd computes. That makes the regulariser a plain loss term: it composes
 with any optimiser (Adam, SGD, the BLR optimisers through ``penalty(..., params=...)``, IVON).
 
-Training mode: the penalty's forward runs in the model's current mode (train mode during training),
-like the minibatch's; old predictions and kernels are computed in eval mode.
+Evaluation mode: the penalty's forward over the memorable points runs in eval mode (dropout off,
+BatchNorm on running statistics), as in the reference code, whatever mode the model is in for the
+minibatch; old predictions and kernels are computed in eval mode too, so Δp compares like with like
+and is deterministic under dropout (p(X_s; θ) is the eval-mode prediction at both θ and θ_{t−1}).
+The gradient still flows to θ through that forward; each module's own ``training`` flag is restored.
 """
 
 from __future__ import annotations
@@ -338,7 +341,8 @@ class FunctionalRegularizer:
             self._groups = self._build_groups(ref.device, ref.dtype)
         total = zero
         for head, x, parts in self._groups:
-            p = torch.softmax(forward(model, x, head, params), dim=-1)
+            with eval_mode(model):  # as the reference: no dropout noise in Δp
+                p = torch.softmax(forward(model, x, head, params), dim=-1)
             for sl, n_tasks, m, cols, drop_last, p_old, chol in parts:
                 pe = p[sl].reshape(n_tasks, m, -1)
                 if cols is not None:
