@@ -71,10 +71,17 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-from avalanche.core import SupervisedPlugin
-from avalanche.models import MultiTaskModule
-from avalanche.models.utils import is_multi_task_module
 from torch import Tensor, nn
+
+from . import AVALANCHE_INSTALL_HINT
+
+try:  # Avalanche is the optional [avalanche] extra
+    from avalanche.core import SupervisedPlugin
+    from avalanche.models import MultiTaskModule
+    from avalanche.models.utils import is_multi_task_module
+except ImportError as _err:
+    raise ImportError(f"continual_blr.integrations.avalanche needs Avalanche (avalanche-lib): "
+                      f"{AVALANCHE_INSTALL_HINT} ({_err})") from _err
 from torch.utils.data import DataLoader
 
 from ..data.stream import SCENARIOS, Task, TaskStream

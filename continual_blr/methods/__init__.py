@@ -1,13 +1,19 @@
 """Named methods: the registry the CLI, configs and benchmarks build methods from.
 
-Each entry maps a name to ``(method class, params dataclass or None)``. ``build_method`` validates the
-params against the dataclass (unknown keys and wrong types are one-line errors naming the field).
+Each entry maps a name to ``(method class, params dataclass or None)``. ``build_method`` takes the
+params as an instance of that dataclass or as a plain mapping (parsed YAML), which :func:`parse_params`
+checks against the dataclass: unknown keys and wrong types are one-line errors naming the method and the
+field. The check lives here, in the methods layer, so that the registry does not import the run
+configuration (``continual_blr.config`` sits above the methods and imports them, never the reverse).
 To add a method: write ``methods/<name>.py`` with a ``Method`` subclass and its params dataclass, and
 add one line to ``METHODS``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
 from typing import Any
 
 from .base import Method, TrainConfig, make_torch_optimizer
@@ -20,7 +26,8 @@ from .l2 import L2Method, L2Params
 from .laplace import LaplaceMethod, LaplaceParams
 from .vcl import VCLMethod, VCLParams
 
-__all__ = ["Method", "TrainConfig", "METHODS", "build_method", "make_torch_optimizer", "register"]
+__all__ = ["Method", "TrainConfig", "METHODS", "MethodParamsError", "build_method", "make_torch_optimizer",
+           "parse_params", "register"]
 
 METHODS: dict[str, tuple[type[Method], type | None]] = {
     "none": (Method, None),
@@ -44,23 +51,100 @@ def register(name: str, method_cls: type[Method], params_cls: type | None) -> No
     METHODS[name] = (method_cls, params_cls)
 
 
-def build_method(name: str, params: dict[str, Any] | None = None, seed: int = 0) -> Method:
-    """Instantiate a registered method with validated parameters.
+class MethodParamsError(ValueError):
+    """A method's parameters are unknown, of the wrong type or out of range (one line naming the field)."""
+
+
+def _type_ok(value: Any, annotation: Any) -> bool:
+    """Whether ``value`` (from parsed YAML) fits the field annotation ``annotation``."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is Any:
+        return True
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is typing.Literal:
+        return value in typing.get_args(annotation)
+    if origin is not None:
+        return isinstance(value, origin)
+    if isinstance(annotation, type):
+        return isinstance(value, annotation)
+    return True
+
+
+def parse_params(params_cls: type, data: Any, path: str = "params") -> Any:
+    """Build the params dataclass ``params_cls`` from a mapping, checking keys and types.
+
+    Ints are accepted for float fields (and converted); the dataclass's own ``__post_init__`` checks
+    ranges. An instance of ``params_cls`` is returned as it is.
+
+    Args:
+        params_cls: a method's params dataclass (the second entry of its ``METHODS`` row).
+        data: a mapping of field names to values (e.g. a YAML ``params:`` block), or a ``params_cls``.
+        path: the dotted name of ``data`` in error messages.
+
+    Returns:
+        An instance of ``params_cls``.
 
     Raises:
-        ValueError: unknown method name (the message lists the allowed names) or bad params.
+        MethodParamsError: ``data`` is not a mapping, names an unknown field, holds a value of the wrong
+            type, or the dataclass rejects a value (one line naming the field and what is allowed).
+    """
+    if isinstance(data, params_cls):
+        return data
+    if not isinstance(data, dict):
+        raise MethodParamsError(f"{path} must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(params_cls)
+    fields = {f.name for f in dataclasses.fields(params_cls)}
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        raise MethodParamsError(f"{path}: unknown key {unknown[0]!r} (allowed: {', '.join(sorted(fields))})")
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        ann = hints[key]
+        if not _type_ok(value, ann):
+            want = getattr(ann, "__name__", str(ann)).replace("typing.", "")
+            raise MethodParamsError(f"{path}.{key} must be {want}, got {value!r}")
+        kwargs[key] = float(value) if ann is float and isinstance(value, int) else value
+    try:
+        return params_cls(**kwargs)
+    except MethodParamsError:
+        raise
+    except (ValueError, TypeError) as err:
+        raise MethodParamsError(str(err).splitlines()[0] if str(err) else type(err).__name__) from None
+
+
+def build_method(name: str, params: Any = None, seed: int = 0) -> Method:
+    """Instantiate a registered method.
+
+    Args:
+        name: a key of :data:`METHODS`.
+        params: the method's params dataclass, or a mapping checked by :func:`parse_params`
+            (``None`` / empty: the defaults).
+        seed: the method's random stream.
+
+    Raises:
+        ValueError: unknown method name (the message lists the allowed names).
+        MethodParamsError: bad params; the message starts with ``method '<name>':``.
     """
     if name not in METHODS:
         raise ValueError(f"method: unknown method {name!r}; allowed: {', '.join(sorted(METHODS))}")
     method_cls, params_cls = METHODS[name]
-    params = params or {}
     if params_cls is None:
         if params:
-            raise ValueError(f"method {name!r} takes no params, got {sorted(params)}")
+            keys = sorted(params) if isinstance(params, dict) else type(params).__name__
+            raise MethodParamsError(f"method {name!r} takes no params, got {keys}")
         method = method_cls(seed=seed)
     else:
-        from ..config import from_dict
-
-        method = method_cls(from_dict(params_cls, params, path="params"), seed=seed)  # type: ignore[call-arg]
+        try:
+            parsed = parse_params(params_cls, params if params is not None else {}, path="params")
+        except MethodParamsError as err:
+            raise MethodParamsError(f"method {name!r}: {err}") from None
+        method = method_cls(parsed, seed=seed)  # type: ignore[call-arg]
     method.name = name
     return method
