@@ -1,26 +1,50 @@
-"""Command line: ``continual-blr run [CONFIG.yaml] [--method NAME] [--seed N] [--device D] [--out DIR] [--validation F]``.
+"""Command line: ``continual-blr run [CONFIG.yaml] [options]`` (and the saved-run commands of ``cli_saved``).
 
 With no arguments ``run`` trains the embedded default — split-digits (scikit-learn's bundled 8×8
-digits, no download) with the BLR method, FROMP and the no-prior baseline — prints a table and writes
-``results.json`` and ``accuracy_matrix.png``. Bad input (unknown method, unknown config key, wrong
-type, missing file or data folder) is reported in one line on stderr with exit status 2.
+digits, no download) with the BLR method, FROMP and the no-prior baseline — prints a table and writes a
+new run folder ``runs/<stream>-<methods>-<YYYYmmdd-HHMMSS>/`` (``runs/latest`` points at it). Run
+folders, resuming, interrupts, ``--threads``, ``--seeds`` and the logs are described in ``docs/runs.md``.
+
+Bad input (unknown method or parameter, unknown config key, wrong type, missing or empty file, bad
+device / seed / threads, an existing run as ``--out``) is reported in one line on stderr with exit
+status 2. Ctrl-C or SIGTERM ends a run with one line naming what finished and the command that resumes
+it, exit status 130.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import contextlib
 import os
+import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser", "version"]
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
 
 
 def _fail(msg: str) -> int:
     print(f"continual-blr: error: {msg}", file=sys.stderr)
-    return 2
+    return EXIT_USAGE
+
+
+def version() -> str:
+    """The package version (``continual_blr.__version__``, else the installed distribution's)."""
+    import continual_blr
+
+    found = getattr(continual_blr, "__version__", None)
+    if found:
+        return str(found)
+    from importlib import metadata
+
+    try:
+        return metadata.version("continual_blr")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _read_yaml(path: str) -> dict[str, Any]:
@@ -36,63 +60,194 @@ def _read_yaml(path: str) -> dict[str, Any]:
         where = f" (line {mark.line + 1})" if mark is not None else ""
         raise ValueError(f"config file {path} is not valid YAML{where}") from None
     if data is None:
-        return {}
+        raise ValueError(f"config file {path} is empty; give at least one setting (e.g. methods: [blr]) "
+                         "or run without a config for the embedded default")
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a mapping at the top level")
     return data
 
 
 def _format_table(results) -> str:
-    t = len(results[0].acc_matrix)
-    head = f"{'method':<10}" + "".join(f"{'T' + str(j + 1):>8}" for j in range(t)) + f"{'avg':>8}{'forget':>8}{'time s':>8}"
-    lines = [head, "-" * len(head)]
-    for r in results:
-        last = r.acc_matrix[-1]
-        cells = "".join(f"{100 * v:>8.2f}" if not math.isnan(v) else f"{'-':>8}" for v in last)
-        lines.append(f"{r.method:<10}{cells}{100 * r.avg_acc:>8.2f}{100 * r.forgetting:>8.2f}{sum(r.task_times):>8.1f}")
-    return "\n".join(lines)
+    from .runner import format_table
+
+    return format_table(results)
+
+
+@contextlib.contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    """``torch.set_num_threads(n)`` (and the inter-op pool where torch still allows it) for the block."""
+    if n is None:
+        yield
+        return
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    with contextlib.suppress(RuntimeError):  # only settable before the first inter-op parallel work
+        torch.set_num_interop_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt in the main thread (as SIGINT does) for the block."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        old = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+_RESUME_KEEPS = ("device", "data_dir", "threads", "no_progress", "tensorboard")
+_RESUME_REFUSES = {"config": "CONFIG", "method": "--method", "seed": "--seed", "seeds": "--seeds", "out": "--out",
+                   "epochs": "--epochs", "validation": "--validation", "quick": "--quick", "overwrite": "--overwrite"}
+
+
+def _build_config(args: argparse.Namespace):
+    """The RunConfig of ``args`` (config file + flags), or a string error for :func:`_fail`."""
+    from .config import MethodConfig, RunConfig, check_device, check_seed, from_dict
+    from .methods import METHODS
+
+    data = _read_yaml(args.config) if args.config else {}
+    cfg = from_dict(RunConfig, data)
+    if args.method:
+        unknown = [m for m in args.method if m not in METHODS]
+        if unknown:
+            return f"--method: unknown method {unknown[0]!r}; allowed: {', '.join(sorted(METHODS))}"
+        by_name = {m.name: m for m in cfg.methods}
+        cfg.methods = [by_name.get(m, MethodConfig(m)) for m in args.method]
+    for i, m in enumerate(cfg.methods):
+        if m.name not in METHODS:
+            return f"methods[{i}]: unknown method {m.name!r}; allowed: {', '.join(sorted(METHODS))}"
+    if args.seed is not None:
+        cfg.seed = check_seed(args.seed)
+    if args.out is not None:
+        cfg.out = args.out
+    if args.validation is not None:
+        from .data.builders import check_validation
+
+        cfg.stream.validation = check_validation(args.validation)
+    if args.epochs is not None:
+        if args.epochs < 1:
+            return f"--epochs: got {args.epochs}; allowed: an integer >= 1"
+        cfg.train.epochs = args.epochs
+    if args.quick:
+        cfg.quick = True
+    return cfg
+
+
+def _apply_machine_flags(cfg, args: argparse.Namespace) -> str | None:
+    """Flags that change where and how a run executes, not its results (allowed with --resume too)."""
+    from .config import check_device
+
+    if args.device is not None:
+        cfg.device = check_device(args.device)
+    if args.data_dir is not None:
+        if not Path(args.data_dir).is_dir():
+            return f"--data-dir: folder not found: {args.data_dir}"
+        cfg.stream.data_dir = args.data_dir
+    if args.no_progress:
+        cfg.progress = False
+    return None
+
+
+def _check_flags(args: argparse.Namespace) -> str | None:
+    if args.threads is not None and args.threads < 1:
+        return f"--threads: got {args.threads}; allowed: an integer >= 1"
+    if args.device is not None:
+        from .config import check_device
+
+        try:
+            check_device(args.device)
+        except ValueError as err:
+            return f"--{err}"
+    if args.seed is not None and args.seed < 0:
+        return f"--seed: got {args.seed}; allowed: an integer >= 0"
+    if args.seeds is not None:
+        from .sweep import check_seeds
+
+        try:
+            check_seeds(args.seeds)
+        except ValueError as err:
+            return str(err)
+        if args.seed is not None:
+            return "--seed: give either --seed or --seeds"
+    if args.overwrite and args.out is None:
+        return "--overwrite: needs --out DIR (runs without --out always get a new folder)"
+    if args.tensorboard:
+        from .run_logs import tensorboard_available
+
+        why = tensorboard_available()
+        if why is not None:
+            return f"--tensorboard: torch.utils.tensorboard does not import ({why}); pip install tensorboard"
+    if args.resume is not None:
+        given = [flag for key, flag in _RESUME_REFUSES.items() if getattr(args, key)]
+        if given:
+            return (f"--resume: continues the run as it was configured; drop {given[0]} (allowed with --resume: "
+                    "--device, --data-dir, --threads, --no-progress, --tensorboard)")
+    return None
+
+
+def _sweep_cfg(path: Path):
+    """(config, seeds) of a multi-seed folder (its ``sweep.json``), or None."""
+    import json
+
+    from .config import RunConfig, from_dict
+
+    p = path / "sweep.json"
+    if not p.is_file():
+        return None
+    payload = json.loads(p.read_text())
+    return from_dict(RunConfig, payload["config"]), list(payload["seeds"])
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .config import ConfigError, MethodConfig, RunConfig, from_dict
+    from .config import ConfigError
     from .data.paths import DataNotFoundError
-    from .methods import METHODS
-    from .runner import run_config
+    from .runner import RunInterrupted, load_run_config, resolve_out, run_config
 
+    bad = _check_flags(args)
+    if bad:
+        return _fail(bad)
+    seeds = args.seeds
     try:
-        data = _read_yaml(args.config) if args.config else {}
-        cfg = from_dict(RunConfig, data)
-        if args.method:
-            unknown = [m for m in args.method if m not in METHODS]
-            if unknown:
-                return _fail(f"--method: unknown method {unknown[0]!r}; allowed: {', '.join(sorted(METHODS))}")
-            by_name = {m.name: m for m in cfg.methods}
-            cfg.methods = [by_name.get(m, MethodConfig(m)) for m in args.method]
-        for m in cfg.methods:
-            if m.name not in METHODS:
-                return _fail(f"methods: unknown method {m.name!r}; allowed: {', '.join(sorted(METHODS))}")
-        if args.seed is not None:
-            cfg.seed = args.seed
-        if args.device is not None:
-            cfg.device = args.device
-        if args.out is not None:
-            cfg.out = args.out
-        data_dir = args.data_dir or os.environ.get("CONTINUAL_BLR_DATA")
-        if args.data_dir is not None:
-            cfg.stream.data_dir = args.data_dir
-        if args.data_dir is not None and not Path(data_dir).is_dir():
-            return _fail(f"--data-dir: folder not found: {data_dir}")
-        if args.validation is not None:
-            from .data.builders import check_validation
+        if args.resume is not None:
+            sweep = _sweep_cfg(Path(args.resume))
+            if sweep is not None:
+                cfg, seeds = sweep
+                cfg.out = args.resume
+            else:
+                cfg = load_run_config(args.resume)
+        else:
+            cfg = _build_config(args)
+            if isinstance(cfg, str):
+                return _fail(cfg)
+        bad = _apply_machine_flags(cfg, args)
+        if bad:
+            return _fail(bad)
+        from .runner import check_methods
 
-            cfg.stream.validation = check_validation(args.validation)
-        if args.epochs is not None:
-            cfg.train.epochs = args.epochs
-        if args.quick:
-            cfg.quick = True
-        if args.no_progress:
-            cfg.progress = False
-        results = run_config(cfg)
+        check_methods(cfg)
+        with _threads(args.threads), _sigterm_as_interrupt():
+            if seeds is not None:
+                return _run_sweep(cfg, seeds, args)
+            if args.resume is None:
+                cfg = resolve_out(cfg, overwrite=args.overwrite)
+            results = run_config(cfg, resume=args.resume is not None, tensorboard=args.tensorboard)
+    except RunInterrupted as stop:
+        print(f"continual-blr: interrupted: {stop.summary()}; kept in {stop.out}; resume with: "
+              f"continual-blr run --resume {stop.out}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (ConfigError, DataNotFoundError, FileNotFoundError, ValueError, TypeError) as err:
         return _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
     label = " [QUICK MODE: epochs / 5]" if cfg.quick else ""
@@ -105,21 +260,84 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_sweep(cfg, seeds: list[int], args: argparse.Namespace) -> int:
+    """``run --seeds``: every seed into ``<out>/seed-<s>/``, the summary printed and in ``<out>/summary.md``."""
+    from .run_folder import RunExistsError, RunFolder, new_run_dir
+    from .runner import RUNS_ROOT, RunInterrupted
+    from .sweep import run_seeds, same_run
+
+    if cfg.out is None:
+        names = [m.name for m in cfg.methods]
+        cfg.out = str(new_run_dir(RUNS_ROOT, cfg.stream.name, names + ["seeds"] if len(names) < 3 else names))
+    out = Path(cfg.out)
+    stored = _sweep_cfg(out)
+    if stored is not None and args.resume is None and not same_run(stored[0].to_dict(), cfg.to_dict()):
+        if not args.overwrite:
+            raise RunExistsError(f"--out: {out} holds a multi-seed run of another config; pass --overwrite to "
+                                 "replace it or choose another --out")
+        for s in stored[1]:
+            RunFolder(out).remove(f"seed-{s}")
+    if stored is None and (out / "results.json").is_file():
+        raise RunExistsError(f"--out: {out} holds a single run; choose another --out for --seeds")
+    RunFolder(out).write_json("sweep.json", {"config": {k: v for k, v in cfg.to_dict().items() if k != "seed"},
+                                             "seeds": seeds})
+    try:
+        results = run_seeds(cfg, seeds, out, tensorboard=args.tensorboard)
+    except RunInterrupted as stop:
+        print(f"continual-blr: interrupted: seed {Path(stop.out).name.removeprefix('seed-')}: {stop.summary()}; "
+              f"finished seeds kept in {out}; resume with: continual-blr run --resume {out}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print((out / "summary.md").read_text() if (out / "summary.md").is_file() else "")
+    print(f"wrote {out / 'summary.md'} and {len(results)} seed folders {out}/seed-<s>/")
+    return 0
+
+
+def _epilog() -> str:
+    from .data import STREAMS
+    from .methods import METHODS
+
+    return (f"methods: {', '.join(sorted(METHODS))}\n"
+            f"streams: {', '.join(sorted(STREAMS))}\n"
+            "run folders, --resume, --seeds, --threads, logs: docs/runs.md")
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line on stderr (exit 2), as every other bad input."""
+
+    def error(self, message: str):  # type: ignore[override]
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="continual-blr", description=__doc__.split("\n")[0])
+    epilog = _epilog()
+    parser = _OneLineParser(prog="continual-blr", description=__doc__.split("\n")[0], epilog=epilog,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"continual-blr {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="train methods over a task stream and save the results")
+    run = sub.add_parser("run", help="train methods over a task stream and save the results", epilog=epilog,
+                         description="Train methods over a task stream; results go to a run folder (docs/runs.md).",
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
     run.add_argument("config", nargs="?", help="YAML config (default: the embedded split-digits run)")
     run.add_argument("--method", action="append", help="method name (repeatable); overrides the config's methods")
-    run.add_argument("--seed", type=int, help="random seed")
-    run.add_argument("--device", help="cpu or cuda")
-    run.add_argument("--out", help="output folder")
+    run.add_argument("--seed", type=int, help="random seed (an integer >= 0)")
+    run.add_argument("--seeds", type=int, nargs="+", metavar="S",
+                     help="run each seed into OUT/seed-<s>/ and print mean ± std per method (OUT/summary.md)")
+    run.add_argument("--device", help="cpu, cuda or cuda:N")
+    run.add_argument("--out", help="run folder (default: a new runs/<stream>-<methods>-<time>/, runs/latest points at it)")
+    run.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
+    run.add_argument("--resume", metavar="DIR", help="continue the interrupted run in DIR (finished methods are kept)")
     run.add_argument("--data-dir", help="data root (default: $CONTINUAL_BLR_DATA or ~/.cache/continual_blr/data)")
     run.add_argument("--epochs", type=int, help="override train.epochs")
     run.add_argument("--validation", type=float, metavar="FRACTION",
                      help="evaluate on this held-out fraction of each task's training data instead of the test set "
                           "(stream.validation; for choosing hyper-parameters)")
     run.add_argument("--quick", action="store_true", help="fewer epochs (epochs / 5) for smoke runs; labelled in outputs")
+    run.add_argument("--threads", type=int, metavar="N",
+                     help="torch threads (intra- and inter-op; default: torch's). 1 is often faster on a shared or "
+                          "busy machine (docs/runs.md)")
+    run.add_argument("--tensorboard", action="store_true",
+                     help="also write TensorBoard events to RUN/tensorboard/ (needs the tensorboard package)")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
     run.set_defaults(func=_cmd_run)
     from .cli_saved import add_saved_run_parsers
@@ -130,7 +348,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as stop:
+        return int(stop.code) if stop.code is not None else 0
     return args.func(args)
 
 

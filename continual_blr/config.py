@@ -9,6 +9,7 @@ turns dictionaries into dataclasses.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from typing import Any
 
 from .methods.base import TrainConfig
 
-__all__ = ["ConfigError", "StreamConfig", "ModelConfig", "MethodConfig", "RunConfig", "from_dict", "DEFAULT_CONFIG"]
+__all__ = ["check_device", "check_seed", "ConfigError", "StreamConfig", "ModelConfig", "MethodConfig", "RunConfig", "from_dict", "DEFAULT_CONFIG"]
 
 
 SPLIT_DIGITS_BLR: dict[str, Any] = {}
@@ -88,12 +89,42 @@ class RunConfig:
                                                    MethodConfig("none")])
     seed: int = 0
     device: str = "cpu"
-    out: str = "runs/default"
+    # None: a new folder runs/<stream>-<methods>-<YYYYmmdd-HHMMSS> per run (runner.resolve_out, docs/runs.md)
+    out: str | None = None
     progress: bool = True
     quick: bool = False
 
+    def __post_init__(self) -> None:
+        check_device(self.device)
+        check_seed(self.seed)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def check_device(device: str) -> str:
+    """``device`` if it is ``cpu``, ``cuda`` or ``cuda:N``.
+
+    Raises:
+        ValueError: one line naming the field and what is allowed.
+    """
+    if not isinstance(device, str) or not DEVICE_PATTERN.fullmatch(device):
+        raise ValueError(f"device: got {device!r}; allowed: cpu, cuda, cuda:N")
+    return device
+
+
+def check_seed(seed: int) -> int:
+    """``seed`` if it is an integer in [0, 2**63).
+
+    Raises:
+        ValueError: one line naming the field and what is allowed.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed: got {seed!r}; allowed: an integer >= 0")
+    return seed
 
 
 def _type_ok(value: Any, annotation: Any) -> bool:

@@ -1,34 +1,71 @@
-"""From a :class:`~continual_blr.config.RunConfig` to saved results: build stream, model and methods,
-run the one loop for each method, and write ``results.json``, the heatmap and per-method state.
+"""From a :class:`~continual_blr.config.RunConfig` to a run folder: build stream, model and methods, run
+the one loop (:func:`continual_blr.loop.run_stream`) for each method, and keep the folder current.
 
-Output folder layout::
+After every task of every method the runner writes, atomically (:mod:`continual_blr.run_folder`):
+``results.json`` (finished methods complete, the running one with its finished tasks), the table
+``results.md``, the heatmap ``accuracy_matrix.png``, the method's ``checkpoint.pt`` and its logs. A
+finished method also gets ``<method>/model.pt`` and ``<method>/method.pt`` (what ``continual-blr
+inspect`` reads). :func:`run_config` with ``resume=True`` skips finished methods and continues the
+unfinished one from its last finished task; the result equals an uninterrupted run's (same seed, CPU).
 
-    <out>/results.json             every method's StreamResult + the config
-    <out>/accuracy_matrix.png      heatmaps of R[i, j]
-    <out>/<method>/model.pt        the trained network's state_dict (for ``continual-blr inspect``)
-    <out>/<method>/method.pt       the method's state (posterior, memory, ...)
+Checkpoint (``<method>/checkpoint.pt``, a dict; ``torch.load(..., weights_only=True)`` reads it):
+``progress`` (next task, accuracy rows, times, losses, the loop's minibatch-order generator state),
+``model`` (state_dict), ``method`` (the method's state_dict), ``generators`` (every ``torch.Generator``
+the method holds, by attribute path: method state_dicts leave them out) and ``optimizer`` (the state of
+an optimiser that lives across tasks, ``method.optimizer``, e.g. the BLR's).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from .config import RunConfig
 from .data import make_stream
 from .data.stream import TaskStream
-from .loop import StreamResult, run_stream
+from .loop import LoopProgress, StreamResult, run_stream, stream_metrics
 from .methods import build_method
-from .methods.base import TrainConfig
+from .methods.base import Method, TrainConfig
 from .models import build_model
+from .run_folder import (
+    CHECKPOINT, RunFolder, RunNotFoundError, check_out_dir, clear_run, deferred_interrupts, generator_states,
+    load_generator_states, new_run_dir,
+)
+from .run_logs import TrainingLog
 
-__all__ = ["run_config", "load_results", "QUICK_EPOCH_DIVISOR"]
+__all__ = ["run_config", "resolve_out", "load_results", "load_run_config", "build_stream", "check_methods",
+           "format_table", "RunInterrupted", "QUICK_EPOCH_DIVISOR", "RUNS_ROOT"]
 
 QUICK_EPOCH_DIVISOR = 5
+RUNS_ROOT = "runs"
+"""Where runs without an ``out`` go: ``runs/<stream>-<methods>-<YYYYmmdd-HHMMSS>`` and ``runs/latest``."""
+
+
+class RunInterrupted(Exception):
+    """SIGINT / SIGTERM stopped a run; what finished is kept in ``out``.
+
+    Attributes:
+        out: the run folder.
+        done: per method, ``(name, finished tasks, total tasks)`` for every method started.
+    """
+
+    def __init__(self, out: Path, done: list[tuple[str, int, int]]) -> None:
+        self.out, self.done = out, done
+        super().__init__(self.summary())
+
+    def summary(self) -> str:
+        """e.g. ``finished blr (5/5 tasks); fromp stopped after 2/5 tasks``."""
+        full = [f"{m} ({k}/{n} tasks)" for m, k, n in self.done if k == n]
+        part = [f"{m} after {k}/{n} tasks" for m, k, n in self.done if k < n]
+        bits = [f"finished {', '.join(full)}" if full else "no method finished"]
+        if part:
+            bits.append(f"stopped {', '.join(part)}")
+        return "; ".join(bits)
 
 
 def _train_for(cfg: RunConfig, overrides: dict[str, Any]) -> TrainConfig:
@@ -52,39 +89,237 @@ def build_stream(cfg: RunConfig) -> TaskStream:
     return make_stream(cfg.stream.name, data_dir=cfg.stream.data_dir, seed=cfg.seed, **kwargs)
 
 
-def run_config(cfg: RunConfig, save: bool = True) -> list[StreamResult]:
-    """Run every method of ``cfg`` on its stream; optionally write the output folder."""
+def check_methods(cfg: RunConfig) -> None:
+    """Build every method of ``cfg`` once, so that a bad parameter fails before anything trains.
+
+    Raises:
+        ValueError: one line naming the method, e.g. ``methods[0] (blr): params: unknown key 'lrr' (allowed: ...)``.
+    """
+    for i, mc in enumerate(cfg.methods):
+        try:
+            build_method(mc.name, mc.params, seed=cfg.seed)
+            _train_for(cfg, mc.train)
+        except (ValueError, TypeError) as err:
+            msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+            msg = msg.removeprefix("config: ").removeprefix(f"method {mc.name!r}: ")
+            raise ValueError(f"methods[{i}] ({mc.name}): {msg}") from None
+
+
+def resolve_out(cfg: RunConfig, *, overwrite: bool = False, root: str | Path = RUNS_ROOT) -> RunConfig:
+    """A copy of ``cfg`` whose ``out`` is where the run will write (the overwrite policy, ``docs/runs.md``).
+
+    No ``out``: a new folder ``<root>/<stream>-<methods>-<YYYYmmdd-HHMMSS>`` with ``<root>/latest`` pointing
+    at it. An ``out`` that holds a run (``results.json``): refused unless ``overwrite``, which deletes that
+    run's files first.
+
+    Raises:
+        RunExistsError: ``out`` holds a run and ``overwrite`` is False.
+    """
+    cfg = dataclasses.replace(cfg)
+    if cfg.out is None:
+        cfg.out = str(new_run_dir(root, cfg.stream.name, [m.name for m in cfg.methods]))
+        return cfg
+    check_out_dir(cfg.out, overwrite=overwrite)
+    if overwrite:
+        clear_run(cfg.out)
+    return cfg
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """The config of the run in folder ``path`` (its ``results.json``), with ``out`` set to ``path``.
+
+    Raises:
+        RunNotFoundError: no ``results.json`` in ``path``.
+    """
+    from .config import from_dict
+
+    folder = RunFolder(path)
+    payload = folder.read_results() if folder.path.is_dir() else None
+    if payload is None or "config" not in payload:
+        raise RunNotFoundError(f"--resume: {path} holds no run (no results.json); give a folder written by "
+                               "`continual-blr run`")
+    cfg = from_dict(RunConfig, payload["config"])
+    cfg.out = str(folder.path)
+    return cfg
+
+
+def _partial_result(method: str, stream: TaskStream, seed: int, progress: LoopProgress,
+                    config: dict[str, Any]) -> StreamResult:
+    """A StreamResult of the tasks finished so far (metrics over the finished k×k block of R)."""
+    k = progress.next_task
+    metrics = stream_metrics([row[:k] for row in progress.acc_matrix[:k]])
+    return StreamResult(method=method, stream=stream.name, scenario=stream.scenario, seed=seed,
+                        acc_matrix=progress.acc_matrix, task_times=progress.task_times, train_loss=progress.train_loss,
+                        config=config, **metrics)
+
+
+def format_table(results: list[StreamResult]) -> str:
+    """Final accuracy (%) per task after the last finished task, average, forgetting and time, per method."""
+    t = len(results[0].acc_matrix)
+    head = (f"{'method':<10}" + "".join(f"{'T' + str(j + 1):>8}" for j in range(t))
+            + f"{'avg':>8}{'forget':>8}{'time s':>8}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        done = [row for row in r.acc_matrix if not math.isnan(row[0])]
+        last = done[-1] if done else [math.nan] * t
+        cells = "".join(f"{100 * v:>8.2f}" if not math.isnan(v) else f"{'-':>8}" for v in last)
+        note = "" if len(done) == t else f"  ({len(done)}/{t} tasks)"
+        lines.append(f"{r.method:<10}{cells}{100 * r.avg_acc:>8.2f}{100 * r.forgetting:>8.2f}"
+                     f"{sum(r.task_times):>8.1f}{note}")
+    return "\n".join(lines)
+
+
+class _Writer:
+    """Keeps a run folder current: results, table, heatmap after every task; checkpoints and logs."""
+
+    def __init__(self, folder: RunFolder, cfg: RunConfig, tensorboard: bool) -> None:
+        self.folder, self.cfg, self.tensorboard = folder, cfg, tensorboard
+        self.results: dict[str, StreamResult] = {}
+        self.progress: dict[str, tuple[int, int]] = {}
+
+    def write_results(self) -> None:
+        results = [self.results[m.name] for m in self.cfg.methods if m.name in self.results]
+        payload = {"config": self.cfg.to_dict(), "quick": self.cfg.quick,
+                   "results": [r.to_dict() for r in results],
+                   "progress": {m: {"finished_tasks": k, "n_tasks": n, "complete": k == n}
+                                for m, (k, n) in self.progress.items()}}
+        self.folder.write_json("results.json", payload)
+        if results:
+            self.folder.write_text("results.md", f"```\n{format_table(results)}\n```\n")
+            from .plots import plot_accuracy_matrices
+
+            self.folder.save_figure("accuracy_matrix.png", lambda p: plot_accuracy_matrices(results, p))
+
+    def checkpoint(self, name: str, progress: LoopProgress, model: nn.Module, method: Method) -> None:
+        opt = getattr(method, "optimizer", None)
+        state = {
+            "format": 1,
+            "progress": dataclasses.asdict(progress),
+            "model": model.state_dict(),
+            "method": method.state_dict(),
+            "generators": generator_states(method),
+            "optimizer": opt.state_dict() if isinstance(opt, torch.optim.Optimizer) else None,
+        }
+        self.folder.save_torch(f"{name}/{CHECKPOINT}", state)
+
+
+def _load_checkpoint(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 - a method state with non-tensor objects; the run folder is the user's own
+        return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _restore(state: dict[str, Any]):
+    """``restore(model, method)`` for :func:`run_stream`: load model, method, optimiser and generator states."""
+
+    def restore(model: nn.Module, method: Method) -> None:
+        model.load_state_dict(state["model"])
+        method.load_state_dict(state["method"])
+        opt = getattr(method, "optimizer", None)
+        if state.get("optimizer") is not None and isinstance(opt, torch.optim.Optimizer):
+            opt.load_state_dict(state["optimizer"])
+        missing = load_generator_states(method, state.get("generators", {}))
+        if missing:
+            raise ValueError(f"--resume: the checkpoint's generators {missing} are not in the method; "
+                             "was it written by another version?")
+
+    return restore
+
+
+def run_config(cfg: RunConfig, save: bool = True, *, resume: bool = False, tensorboard: bool = False) -> list[StreamResult]:
+    """Run every method of ``cfg`` on its stream, keeping the run folder ``cfg.out`` current.
+
+    Call :func:`resolve_out` first to apply the overwrite policy (this function writes into ``cfg.out``
+    as it is; with ``cfg.out`` None and ``save`` it resolves a new folder itself).
+
+    Args:
+        cfg: the run.
+        save: write the run folder (False: only return the results).
+        resume: continue the run in ``cfg.out``: finished methods are reloaded from ``results.json``, the
+            unfinished one continues from its checkpoint.
+        tensorboard: also write TensorBoard events (``torch.utils.tensorboard`` must import).
+
+    Raises:
+        RunInterrupted: SIGINT (KeyboardInterrupt) or SIGTERM (if the caller maps it to KeyboardInterrupt)
+            stopped the run; everything finished is on disk.
+    """
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device: {cfg.device!r} requested but CUDA is not available; use 'cpu'")
+    check_methods(cfg)
+    if save and cfg.out is None:
+        cfg = resolve_out(cfg)
     stream = build_stream(cfg)
-    results = []
-    out = Path(cfg.out)
-    for mc in cfg.methods:
-        method = build_method(mc.name, mc.params, seed=cfg.seed)
-        train = _train_for(cfg, mc.train)
-        model = build_model(cfg.model.arch, stream.input_shape, stream.n_outputs, stream.n_heads,
-                            hidden=tuple(cfg.model.hidden), generator=torch.Generator().manual_seed(cfg.seed))
-        record = cfg.to_dict() | {"method": dataclasses.asdict(mc), "train_used": dataclasses.asdict(train)}
-        result = run_stream(model, stream, method, train, seed=cfg.seed, device=cfg.device,
-                            progress=cfg.progress, config=record)
-        results.append(result)
-        if save:
-            mdir = out / mc.name
-            mdir.mkdir(parents=True, exist_ok=True)
-            torch.save(model.state_dict(), mdir / "model.pt")
-            torch.save(method.state_dict(), mdir / "method.pt")
+    folder = RunFolder(cfg.out if cfg.out is not None else ".")
+    writer = _Writer(folder, cfg, tensorboard)
+    previous = folder.read_results() if (save and resume) else None
+    if previous is not None:
+        done = previous.get("progress", {})
+        for d in previous.get("results", []):
+            if done.get(d["method"], {}).get("complete"):
+                writer.results[d["method"]] = StreamResult.from_dict(d)
+                writer.progress[d["method"]] = (len(stream.tasks), len(stream.tasks))
+    n_tasks = len(stream.tasks)
     if save:
-        out.mkdir(parents=True, exist_ok=True)
-        payload = {"config": cfg.to_dict(), "quick": cfg.quick, "results": [r.to_dict() for r in results]}
-        (out / "results.json").write_text(json.dumps(payload, indent=2))
-        from .plots import plot_accuracy_matrices
+        writer.write_results()
+    try:
+        for mc in cfg.methods:
+            if mc.name in writer.results and (folder.path / mc.name / "model.pt").is_file():
+                continue
+            method = build_method(mc.name, mc.params, seed=cfg.seed)
+            train = _train_for(cfg, mc.train)
+            model = build_model(cfg.model.arch, stream.input_shape, stream.n_outputs, stream.n_heads,
+                                hidden=tuple(cfg.model.hidden), generator=torch.Generator().manual_seed(cfg.seed))
+            record = cfg.to_dict() | {"method": dataclasses.asdict(mc), "train_used": dataclasses.asdict(train)}
+            start, restore = None, None
+            ckpt = folder.path / mc.name / CHECKPOINT
+            if save and resume and ckpt.is_file():
+                state = _load_checkpoint(ckpt)
+                start, restore = LoopProgress(**state["progress"]), _restore(state)
+            log = TrainingLog(folder, mc.name, tensorboard) if save else None
+            if log is not None:
+                log.trim(start.next_task if start is not None else 0)
+            writer.progress[mc.name] = (start.next_task if start is not None else 0, n_tasks)
 
-        plot_accuracy_matrices(results, out / "accuracy_matrix.png")
-    return results
+            def on_task_end(progress: LoopProgress, model: nn.Module, method: Method, mc=mc, record=record,
+                            log=log) -> None:
+                writer.progress[mc.name] = (progress.next_task, n_tasks)
+                if not save:
+                    return
+                with deferred_interrupts():
+                    writer.checkpoint(mc.name, progress, model, method)
+                    writer.results[mc.name] = _partial_result(mc.name, stream, cfg.seed, progress, record)
+                    if progress.next_task == n_tasks:
+                        folder.save_torch(f"{mc.name}/model.pt", model.state_dict())
+                        folder.save_torch(f"{mc.name}/method.pt", method.state_dict())
+                    assert log is not None
+                    log.task_end(progress)
+                    writer.write_results()
+
+            try:
+                result = run_stream(model, stream, method, train, seed=cfg.seed, device=cfg.device,
+                                    progress=cfg.progress, config=record, resume=start, restore=restore,
+                                    on_task_end=on_task_end,
+                                    on_epoch=None if log is None else log.epoch)
+            finally:
+                if log is not None:
+                    log.close()
+            writer.results[mc.name] = result
+            if save and not (folder.path / mc.name / "model.pt").is_file():  # resumed at the very end
+                folder.save_torch(f"{mc.name}/model.pt", model.state_dict())
+                folder.save_torch(f"{mc.name}/method.pt", method.state_dict())
+        if save:
+            writer.write_results()
+    except KeyboardInterrupt:
+        done = [(m.name, *writer.progress[m.name]) for m in cfg.methods if m.name in writer.progress]
+        raise RunInterrupted(Path(cfg.out or "."), done) from None
+    return [writer.results[m.name] for m in cfg.methods]
 
 
 def load_results(path: str | Path) -> list[StreamResult]:
     """Reload the StreamResults of a ``results.json`` (or of the folder holding it)."""
+    import json
+
     p = Path(path)
     if p.is_dir():
         p = p / "results.json"

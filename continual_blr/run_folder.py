@@ -1,0 +1,301 @@
+"""Run folders: where a run's files go, written atomically and only by the main process.
+
+Every file a run writes goes through :class:`RunFolder`, which
+
+* writes nothing unless ``continual_blr.distributed.is_main_process()`` (rank 0 of a data-parallel run);
+* writes whole files atomically: a temporary file in the same folder, then ``os.replace``, so a run
+  killed at any moment leaves each file either as it was or complete, never half-written.
+
+Layout (see ``docs/runs.md``)::
+
+    <run>/results.json              config + every method's StreamResult so far + progress per method
+    <run>/results.md                the table of final accuracies (so far)
+    <run>/accuracy_matrix.png       heatmaps of R[i, j] (so far)
+    <run>/<method>/checkpoint.pt    the last finished task boundary (model, method, RNG, accuracy rows)
+    <run>/<method>/model.pt         the trained network (written when the method has finished)
+    <run>/<method>/method.pt        the method's state (idem)
+    <run>/<method>/train_log.csv    task, epoch, mean training loss
+    <run>/<method>/accuracy.csv     after_task, task, accuracy
+    <run>/tensorboard/<method>/     TensorBoard events (with ``--tensorboard``)
+
+Folder policy (no silent overwrite): :func:`new_run_dir` makes a fresh time-stamped folder and points
+``<root>/latest`` at it; a folder that already holds a run (``results.json``) is refused by
+:func:`check_out_dir` unless the caller overwrites (:func:`clear_run`) or resumes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from .distributed import is_main_process
+
+__all__ = ["RunFolder", "RunExistsError", "RunNotFoundError", "new_run_dir", "check_out_dir", "clear_run",
+           "find_generators", "generator_states", "load_generator_states", "deferred_interrupts", "RESULTS"]
+
+RESULTS = "results.json"
+CHECKPOINT = "checkpoint.pt"
+
+
+class RunExistsError(ValueError):
+    """The output folder already holds a run and neither overwriting nor resuming was asked for."""
+
+
+class RunNotFoundError(ValueError):
+    """A folder given to resume holds no run (no ``results.json``)."""
+
+
+def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Call ``write(tmp)`` on a temporary file beside ``path`` (same suffix), then rename it onto ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}", dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the permissions open() would
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+class RunFolder:
+    """The one writer of a run folder (atomic files; nothing written off the main process).
+
+    Args:
+        path: the run folder.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    @property
+    def writes(self) -> bool:
+        """True when this process writes (rank 0)."""
+        return is_main_process()
+
+    def write_text(self, rel: str, text: str) -> None:
+        """Write ``text`` to ``<run>/<rel>`` atomically."""
+        if self.writes:
+            _atomic_write(self.path / rel, lambda p: p.write_text(text))
+
+    def write_json(self, rel: str, obj: Any) -> None:
+        """Write ``obj`` as indented JSON to ``<run>/<rel>`` atomically."""
+        self.write_text(rel, json.dumps(obj, indent=2))
+
+    def save_torch(self, rel: str, obj: Any) -> None:
+        """``torch.save`` ``obj`` to ``<run>/<rel>`` atomically."""
+        if self.writes:
+            _atomic_write(self.path / rel, lambda p: torch.save(obj, p))
+
+    def save_figure(self, rel: str, draw: Callable[[Path], Any]) -> None:
+        """``draw(path)`` writes a figure; it is given a temporary path with the same suffix."""
+        if self.writes:
+            _atomic_write(self.path / rel, draw)
+
+    def write_csv(self, rel: str, header: list[str], rows: list[list[Any]]) -> None:
+        """Write a whole CSV file atomically (header + rows)."""
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(header)
+        w.writerows(rows)
+        self.write_text(rel, buf.getvalue())
+
+    def append_csv(self, rel: str, header: list[str], row: list[Any]) -> None:
+        """Append one row to a CSV log (the header first when the file is new). Appends are not atomic:
+        a log may lose its last row when killed; :meth:`trim_csv` cleans up on resume."""
+        if not self.writes:
+            return
+        p = self.path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        new = not p.is_file()
+        with p.open("a", newline="") as f:
+            w = csv.writer(f, lineterminator="\n")
+            if new:
+                w.writerow(header)
+            w.writerow(row)
+
+    def trim_csv(self, rel: str, keep: Callable[[dict[str, str]], bool]) -> None:
+        """Keep only the rows of ``<run>/<rel>`` for which ``keep(row)`` (e.g. finished tasks on resume)."""
+        p = self.path / rel
+        if not self.writes or not p.is_file():
+            return
+        with p.open(newline="") as f:
+            reader = csv.DictReader(f)
+            header = list(reader.fieldnames or [])
+            rows = [[r[h] for h in header] for r in reader if _complete(r, header) and keep(r)]
+        self.write_csv(rel, header, rows)
+
+    def remove(self, rel: str) -> None:
+        """Delete ``<run>/<rel>`` (file or folder) if present."""
+        if not self.writes:
+            return
+        p = self.path / rel
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.exists() or p.is_symlink():
+            p.unlink()
+
+    def read_results(self) -> dict[str, Any] | None:
+        """The parsed ``results.json``, or None when there is none."""
+        p = self.path / RESULTS
+        return json.loads(p.read_text()) if p.is_file() else None
+
+
+def _complete(row: dict[str, str | None], header: list[str]) -> bool:
+    return all(row.get(h) not in (None, "") for h in header)
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+
+def new_run_dir(root: str | Path, stream: str, methods: list[str], now: float | None = None) -> Path:
+    """Create ``<root>/<stream>-<methods>-<YYYYmmdd-HHMMSS>`` (``-2``, ``-3``, ... when taken) and point
+    ``<root>/latest`` at it (a symbolic link; a text file holding the folder's name where links fail).
+
+    Only the main process creates anything; every process gets the same name when started in the same second.
+    """
+    root = Path(root)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    names = "+".join(methods) if len(methods) <= 3 else f"{'+'.join(methods[:3])}+{len(methods) - 3}more"
+    base = _slug(f"{stream}-{names}-{stamp}")
+    path, k = root / base, 1
+    while path.exists():
+        k += 1
+        path = root / f"{base}-{k}"
+    if is_main_process():
+        path.mkdir(parents=True)
+        _point_latest(root, path.name)
+    return path
+
+
+def _point_latest(root: Path, name: str) -> None:
+    latest = root / "latest"
+    if latest.exists() and not latest.is_symlink() and latest.is_dir():
+        return  # a real folder called "latest": leave it alone
+    tmp = root / f".latest.{os.getpid()}"
+    with contextlib.suppress(OSError):
+        tmp.unlink()
+    try:
+        os.symlink(name, tmp)
+        os.replace(tmp, latest)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        _atomic_write(latest, lambda p: p.write_text(name + "\n"))
+
+
+def check_out_dir(path: str | Path, *, overwrite: bool = False) -> None:
+    """Refuse a folder that holds a run unless ``overwrite``.
+
+    Raises:
+        RunExistsError: ``path`` holds a ``results.json`` and ``overwrite`` is False (one line).
+    """
+    p = Path(path)
+    if (p / RESULTS).is_file() and not overwrite:
+        raise RunExistsError(f"--out: {p} already holds a run (results.json); pass --overwrite to replace it, "
+                             f"--resume {p} to continue it, or choose another --out")
+
+
+def clear_run(path: str | Path) -> None:
+    """Delete what a run wrote in ``path`` (its files and its methods' folders); other files are kept."""
+    folder = RunFolder(path)
+    payload = folder.read_results() or {}
+    methods = [m.get("name") for m in payload.get("config", {}).get("methods", []) if isinstance(m, dict)]
+    for rel in [RESULTS, "results.md", "accuracy_matrix.png", "tensorboard", *[m for m in methods if m]]:
+        folder.remove(rel)
+
+
+# ----- RNG state -------------------------------------------------------------------------------------
+
+
+def find_generators(obj: Any, prefix: str = "", _seen: set[int] | None = None) -> dict[str, torch.Generator]:
+    """Every ``torch.Generator`` reachable from ``obj`` through attributes, dicts, lists and tuples of
+    this library's objects, by attribute path (``generator``, ``optimizer.generator``, ...), each object once.
+
+    A method's own ``state_dict`` may leave its generators out; saving these next to it makes a resumed
+    run draw the same random numbers (weight samples, Monte-Carlo labels, coreset choices) as an
+    uninterrupted one.
+    """
+    seen = set() if _seen is None else _seen
+    found: dict[str, torch.Generator] = {}
+    if id(obj) in seen:
+        return found
+    seen.add(id(obj))
+    if isinstance(obj, torch.Generator):
+        found[prefix or "generator"] = obj
+        return found
+    if isinstance(obj, dict):
+        items = [(str(k), v) for k, v in obj.items()]
+    elif isinstance(obj, (list, tuple)):
+        items = [(str(i), v) for i, v in enumerate(obj)]
+    elif isinstance(obj, (nn.Module, torch.Tensor)):
+        return found  # networks and tensors hold no generators; don't walk their internals
+    elif type(obj).__module__.startswith(("continual_blr", "torch.optim")) and hasattr(obj, "__dict__"):
+        items = list(vars(obj).items())
+    else:
+        return found
+    for key, value in items:
+        found.update(find_generators(value, f"{prefix}.{key}" if prefix else key, seen))
+    return found
+
+
+def generator_states(obj: Any) -> dict[str, torch.Tensor]:
+    """``{path: generator.get_state()}`` for :func:`find_generators`."""
+    return {k: g.get_state() for k, g in find_generators(obj).items()}
+
+
+def load_generator_states(obj: Any, states: dict[str, torch.Tensor]) -> list[str]:
+    """Set the generators of ``obj`` found at the saved paths; returns the saved paths not found."""
+    gens = find_generators(obj)
+    missing = []
+    for k, s in states.items():
+        if k in gens:
+            gens[k].set_state(s)
+        else:
+            missing.append(k)
+    return missing
+
+
+# ----- interrupts ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def deferred_interrupts() -> Iterator[None]:
+    """Hold SIGINT / SIGTERM while a block runs (e.g. a checkpoint and the results written after a task),
+    then raise ``KeyboardInterrupt`` if one arrived. Outside the main thread this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s in old:
+        signal.signal(s, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if got:
+        raise KeyboardInterrupt
