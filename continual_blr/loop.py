@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from . import distributed
 from .data.stream import Task, TaskStream
 from .methods.base import Method, TrainConfig, register_fit_task
 from .optim.blr import BatchClosure, BayesianLearningRule
@@ -116,6 +117,12 @@ def evaluate_task(model: nn.Module, method: Method, task: Task, batch_size: int 
     1 for a perfect fit, 0 for predicting ȳ (negative when worse), so the accuracy matrix and its
     average / forgetting / BWT read the same way. Returns NaN for a regression task whose test targets
     are all equal (the denominator is 0).
+
+    Data parallel (``continual_blr.distributed``): the test set is cut into the same chunks of
+    ``batch_size`` as in one process, each chunk is split over the ranks, and the counts (squared
+    errors) are summed over the ranks (one all-reduce of one number). Every rank calls the predictor
+    once per chunk, as one process does, so a sampling predictor draws the same weight samples from the
+    method's generator on every rank and the result equals one process's.
     """
     was_training = model.training
     model.eval()
@@ -124,30 +131,37 @@ def evaluate_task(model: nn.Module, method: Method, task: Task, batch_size: int 
             return _r_squared(model, method, task, batch_size)
         correct = 0
         for start in range(0, task.x_test.shape[0], batch_size):
-            x = task.x_test[start : start + batch_size]
-            y = task.y_test[start : start + batch_size]
+            x = distributed.shard(task.x_test[start : start + batch_size])
+            y = distributed.shard(task.y_test[start : start + batch_size])
             probs = method.predict_proba(model, x, task.head)
             correct += int((probs.argmax(-1) == y).sum())
+        correct = round(distributed.all_reduce_float(correct, "evaluation"))
         return correct / max(1, task.x_test.shape[0])
     finally:
         model.train(was_training)
 
 
 def _r_squared(model: nn.Module, method: Method, task: Task, batch_size: int) -> float:
-    """R² of the predictive mean on the task's test set (see :func:`evaluate_task`)."""
+    """R² of the predictive mean on the task's test set (see :func:`evaluate_task`; Σ‖y − ŷ‖² summed
+    over the ranks' parts of each chunk)."""
     y_all = task.y_test.to(torch.float64)
     y_all = y_all.reshape(y_all.shape[0], -1)
     sse = 0.0
     for start in range(0, task.x_test.shape[0], batch_size):
-        f = method.predict_mean(model, task.x_test[start : start + batch_size], task.head).to(torch.float64)
-        y = y_all[start : start + batch_size]
-        sse += float(((f.reshape(y.shape) - y) ** 2).sum())
+        f = method.predict_mean(model, distributed.shard(task.x_test[start : start + batch_size]), task.head)
+        y = distributed.shard(y_all[start : start + batch_size])
+        sse += float(((f.to(torch.float64).reshape(y.shape) - y) ** 2).sum())
+    sse = distributed.all_reduce_float(sse, "evaluation")
     sst = float(((y_all - y_all.mean(0)) ** 2).sum())
     return 1.0 - sse / sst if sst > 0 else math.nan
 
 
 def _batches(tasks: list[Task], batch_size: int, generator: torch.Generator):
-    """Shuffled minibatches of each task, interleaved in a random order; each batch holds one task."""
+    """Shuffled minibatches of each task, interleaved in a random order; each batch holds one task.
+
+    The batches are *global*: in a data-parallel run every rank draws the same order from its copy of
+    the seeded ``generator`` and :func:`train_step` keeps the rank's contiguous part of each batch.
+    """
     order = []
     for i, t in enumerate(tasks):
         perm = torch.randperm(t.n_train, generator=generator)
@@ -159,13 +173,14 @@ def _batches(tasks: list[Task], batch_size: int, generator: torch.Generator):
         yield t, Batch(t.x_train[idx], t.y_train[idx], t.head)
 
 
-def _blr_closure(model: nn.Module, method: Method, batch: Batch, task: Task) -> BatchClosure:
+def _blr_closure(model: nn.Module, method: Method, batch: Batch, task: Task, shard: bool = True) -> BatchClosure:
     """closure(params) -> (per-example losses, penalty) for a BLR optimiser (see optim.blr), with the
-    method's likelihood (the curvature engine gets it from the closure)."""
+    method's likelihood (the curvature engine gets it from the closure). With ``shard`` the closure
+    holds the global batch and evaluates this rank's part of it (``BatchClosure``'s data parallelism)."""
     reg = method.regularizer
     penalty = None if reg is None else (lambda params: reg.penalty(model, batch, task, params))
     return BatchClosure(model, batch.x, batch.y, batch.head, penalty, likelihood=method.likelihood,
-                        sigma=method.sigma)
+                        sigma=method.sigma, data_parallel=shard)
 
 
 def train_step(
@@ -175,6 +190,8 @@ def train_step(
     batch: Batch,
     task: Task,
     train: TrainConfig,
+    *,
+    shard: bool = True,
 ) -> Tensor:
     """One optimisation step on one minibatch; returns its loss (detached or not, before the step).
 
@@ -182,21 +199,58 @@ def train_step(
     (``continual_blr.integrations.avalanche``) both call it. A BLR optimiser steps from a closure over
     per-example losses (see ``optim.blr``); any other optimiser steps on the gradient of
     ``method.loss``, clipped to ``train.grad_clip``.
+
+    Data parallel (``continual_blr.distributed`` with more than one process) and ``shard`` (the batch
+    is the global batch, the same on every rank): rank r computes the loss L_r of its contiguous part
+    of b_r of the B examples and the gradients are all-reduced as
+
+        ĝ = Σ_r (b_r / B) ∇L_r = (1/B) Σ_i ∇ℓ_i + ∇penalty       (one all-reduce per step)
+
+    — exactly one process's gradient of the global-batch mean loss, also for uneven parts (a rank
+    without examples contributes zero). The penalty must be the same on every rank (it is: the past's
+    state is identical everywhere). The returned loss is the global one, the same on every rank. With
+    ``shard=False`` (Avalanche's ``DistributedHelper``: each rank already holds its own batch) the
+    ranks' gradients are averaged with weights b_r / Σ b_r. The BLR optimisers reduce ĝ and ĥ
+    themselves (``optim.blr``).
     """
     if isinstance(optimizer, BayesianLearningRule):
         # Per-example gradients under torch.func: deterministic layers (dropout off).
         model.eval()
         try:
-            return optimizer.step(_blr_closure(model, method, batch, task))
+            return optimizer.step(_blr_closure(model, method, batch, task, shard))
         finally:
             model.train()
     optimizer.zero_grad(set_to_none=True)
-    loss = method.loss(model, batch, task)
-    loss.backward()
+    if not distributed.is_distributed():
+        loss = method.loss(model, batch, task)
+        loss.backward()
+    else:
+        loss = _data_parallel_backward(model, method, batch, task, shard)
     if train.grad_clip is not None:
         nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
     optimizer.step()
     return loss
+
+
+def _data_parallel_backward(model: nn.Module, method: Method, batch: Batch, task: Task, shard: bool) -> Tensor:
+    """Backward pass of this rank's part, gradients all-reduced with weights b_r / B (see :func:`train_step`);
+    returns the global mean loss (detached)."""
+    if shard:
+        s, e = distributed.shard_bounds(batch.y.shape[0])
+        local, total = Batch(batch.x[s:e], batch.y[s:e], batch.head), batch.y.shape[0]
+    else:
+        local = batch
+        total = round(distributed.all_reduce_float(batch.y.shape[0], "batch size"))
+    b = local.y.shape[0]
+    weight = b / max(total, 1)
+    if b == 0:  # no examples here: the same graph on one example, times 0 (same grads that are None)
+        local, weight = Batch(batch.x[:1], batch.y[:1], batch.head), 0.0
+    loss = method.loss(model, local, task)
+    (weight * loss).backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    value = loss.detach().reshape(1).to(grads[0].dtype if grads else loss.dtype) * weight
+    distributed.all_reduce_sum_([*grads, value], "gradient")
+    return value[0]
 
 
 def fit_task(

@@ -28,6 +28,13 @@ Structures:
   al., 2023), i.e. KFC of Grosse & Martens (2016) with the 1/R moved from G to A (the product A⊗G
   is the same). Parameters outside Linear/Conv2d layers (and a bias whose weight is not selected)
   get their exact diagonal in ``KronCurvature.diag``.
+
+**Data parallel** (``continual_blr.distributed``, more than one process; ``shard``): every estimate is a
+sum over examples, so each rank computes it on its contiguous part of the N examples and one
+all-reduce adds the parts — the result is one process's, up to the order of floating-point additions.
+K-FAC's A is a *mean*: rank r contributes (N_r/N)·A_r, so the sum is the mean over all N. The Monte-Carlo
+Fisher draws the noise of all N examples on every rank (the same generator state everywhere) and
+uses its rows, so the sampled labels are one process's too and the generators stay in step.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from .. import distributed
 from ..types import Curvature, KronBlock, KronCurvature, ParamDict, Structure, flatten, parse_enum, unflatten
 from . import likelihoods as lk
 from ._engine import (
@@ -51,7 +59,7 @@ from ._engine import (
 )
 from .jacobians import pass_rows, passes, select
 
-__all__ = ["curvature", "diag_curvature", "kron_curvature", "full_curvature"]
+__all__ = ["curvature", "diag_curvature", "kron_curvature", "full_curvature", "curvature_tensors"]
 
 
 def curvature(
@@ -69,6 +77,8 @@ def curvature(
     batch_size: int | None = None,
     generator: torch.Generator | None = None,
     mc_samples: int = 1,
+    shard: bool | None = None,
+    reduce: bool = True,
 ) -> ParamDict | Tensor | KronCurvature:
     """A curvature of the summed loss Σ_b ℓ(f_θ(x_b), y_b) over a data set (see the module docstring).
 
@@ -91,6 +101,13 @@ def curvature(
         generator: ``torch.Generator`` for ``mc_fisher`` (required there). Noise is drawn on the
             generator's device per batch, so results do not depend on the chunking or model device.
         mc_samples: S, labels sampled per example for ``mc_fisher`` (the estimate averages over them).
+        shard: in a multi-process run, compute on this rank's part of ``x`` (tensors only) — the default
+            (None) when a process group of more than one process is initialised and ``x`` is a tensor.
+            Every rank must then call this function (it communicates). False: the data are this rank's
+            own (e.g. a BLR minibatch part) and nothing is communicated. An iterable ``x`` is never
+            sharded (each rank computes on all of it).
+        reduce: with ``shard``, all-reduce the ranks' parts (one collective); False returns this rank's
+            part (K-FAC's A weighted by N_r/N) for the caller to reduce with its own quantities.
 
     Returns:
         diag → ParamDict shaped like the parameters; full → dense [P, P] in ``types.flatten`` order;
@@ -105,19 +122,64 @@ def curvature(
     lk.check_likelihood(likelihood, sigma)
     chunk = resolve_chunk(chunk_size, batch_size)
     sel = select(model, param_names)
+    if shard is None:
+        shard = isinstance(x, Tensor)
+    shard = bool(shard) and distributed.is_distributed()
+    rows, weight = None, 1.0
+    if shard:
+        if not isinstance(x, Tensor):
+            raise ValueError("shard: only tensor data can be sharded over the ranks; pass x as a tensor")
+        n = x.shape[0]
+        start, stop = distributed.shard_bounds(n)
+        weight = (stop - start) / max(n, 1)
+        if stop == start:  # no examples here: the same computation on one example, times 0
+            start, stop = 0, min(1, n)
+        rows = (n, start)
+        x, y = x[start:stop], (y[start:stop] if y is not None else None)
     if kind is Curvature.HESSIAN:
-        return _hessian(model, x, y, sel, structure, likelihood, sigma, head, chunk)
-    cot, per_batch = _cotangent_fn(kind, likelihood, sigma, generator, mc_samples, model)
-    dense = sum(t.numel() for t in sel.values()) if structure is Structure.FULL else 0
-    reducer = {Structure.DIAG: diag_curvature, Structure.FULL: full_curvature, Structure.KRON: kron_curvature}
-    # closing(): the generator's eval-mode context ends here even when the reducer raises
-    with closing(passes(model, x, y, sel, cot, head=head, chunk_size=chunk, per_batch=per_batch,
-                        dense=dense)) as run:
-        return reducer[structure](run, sel)
+        c = _hessian(model, x, y, sel, structure, likelihood, sigma, head, chunk)
+    else:
+        cot, per_batch = _cotangent_fn(kind, likelihood, sigma, generator, mc_samples, model, rows)
+        dense = sum(t.numel() for t in sel.values()) if structure is Structure.FULL else 0
+        reducer = {Structure.DIAG: diag_curvature, Structure.FULL: full_curvature, Structure.KRON: kron_curvature}
+        # closing(): the generator's eval-mode context ends here even when the reducer raises
+        with closing(passes(model, x, y, sel, cot, head=head, chunk_size=chunk, per_batch=per_batch,
+                            dense=dense)) as run:
+            c = reducer[structure](run, sel)
+    if not shard:
+        return c
+    c = _shard_part(c, weight)
+    if reduce:
+        distributed.all_reduce_sum_(curvature_tensors(c), "curvature")
+    return c
+
+
+def curvature_tensors(c: ParamDict | Tensor | KronCurvature) -> list[Tensor]:
+    """The tensors of a curvature estimate (for an in-place all-reduce: every one of them is a sum
+    over examples; K-FAC's A after :func:`_shard_part`'s weighting)."""
+    if isinstance(c, KronCurvature):
+        return [t for blk in c.blocks for t in (blk.A, blk.G)] + list(c.diag.values())
+    if isinstance(c, dict):
+        return list(c.values())
+    return [c]
+
+
+def _shard_part(c: ParamDict | Tensor | KronCurvature, weight: float) -> ParamDict | Tensor | KronCurvature:
+    """A rank's part in a form whose sum over ranks is the estimate: sums unchanged (zeroed for a rank
+    without examples, weight 0), K-FAC's per-rank mean A times N_r/N."""
+    if isinstance(c, KronCurvature):
+        z = 0.0 if weight == 0 else 1.0
+        return KronCurvature([blk._replace(A=weight * blk.A, G=z * blk.G) for blk in c.blocks],
+                             {k: z * v for k, v in c.diag.items()})
+    if weight == 0:
+        return {k: torch.zeros_like(v) for k, v in c.items()} if isinstance(c, dict) else torch.zeros_like(c)
+    return c
 
 
 def _cotangent_fn(kind: Curvature, likelihood: str, sigma: float, generator: torch.Generator | None,
-                  mc_samples: int, model: nn.Module):
+                  mc_samples: int, model: nn.Module, rows: tuple[int, int] | None = None):
+    """(cotangent function, per-batch state) of the estimate. ``rows = (N, start)``: the batch is rows
+    start.. of an N-example data set whose MC noise is drawn whole (data parallel, see the module docstring)."""
     if kind is Curvature.GGN:
         return (lambda f, yc, sl, st: lk.hessian_sqrt(f, likelihood, sigma)), None
     if kind is Curvature.EMPIRICAL_FISHER:
@@ -134,7 +196,11 @@ def _cotangent_fn(kind: Curvature, likelihood: str, sigma: float, generator: tor
 
     def cot(f: Tensor, yc: Tensor | None, sl: slice, st: dict) -> Tensor:
         if st["noise"] is None:  # drawn once per batch, for all its chunks
-            st["noise"] = lk.draw_noise(st["n"], f.shape[1], int(mc_samples), likelihood, generator, device, dtype)
+            if rows is None:
+                st["noise"] = lk.draw_noise(st["n"], f.shape[1], int(mc_samples), likelihood, generator, device, dtype)
+            else:  # all N rows drawn, as one process does; this rank's rows kept
+                full = lk.draw_noise(rows[0], f.shape[1], int(mc_samples), likelihood, generator, device, dtype)
+                st["noise"] = full[rows[1]:rows[1] + st["n"]]
         return lk.mc_cotangents(f, st["noise"][sl], likelihood, sigma)
 
     return cot, per_batch

@@ -67,6 +67,20 @@ through ``torch.func.functional_call``), or a pair ``(losses, penalty)`` where `
 differentiable term relative to the *mean* loss (e.g. FROMP); the penalty's gradient (times N) enters
 ĝ but not ĥ. The engine curvatures also need the minibatch itself: pass a :class:`BatchClosure`
 (:mod:`continual_blr.optim.closures`), which is what ``continual_blr.loop`` builds.
+
+**Data parallel** (a ``torch.distributed`` process group of W > 1 processes, IVON's ``sync=True``
+pattern): rank r evaluates its b_r of the minibatch's B examples (a :class:`BatchClosure` built with
+``data_parallel=True`` over the global batch, or its own batch under Avalanche's ``DistributedHelper``),
+forms its part of the estimates with the *global* scale N/B,
+
+    ĝ_r = (N/B) Σ_{i∈r} ∇ℓ_i + N (b_r/B) ∇penalty,   ĥ_r = (N/B) Σ_{i∈r} H_i   (K-FAC: A_r (b_r/B), G_r),
+
+and one all-reduce per weight sample adds (loss, ĝ, ĥ) over the ranks, so ĝ and ĥ are one process's
+on the global batch. Every rank draws the **same** weight sample (the optimiser's generator has the
+same state everywhere), so a data-parallel step equals one process's step up to the order of
+floating-point additions (the test suite checks this); the engine's MC Fisher draws the labels of all
+B examples on every rank for the same reason. ``curvature="gauss_newton"`` in the Kronecker structure
+(a nearest-Kronecker fit to the per-example gradients, not a sum) is not available data-parallel.
 """
 
 from __future__ import annotations
@@ -78,7 +92,9 @@ import torch
 from torch import Tensor, nn
 from torch.func import grad, hessian, jacrev
 
+from .. import distributed
 from ..curvature import curvature as engine_curvature
+from ..curvature.estimates import curvature_tensors
 from ..posteriors import DiagPosterior, FullPosterior, GaussianPosterior, KronPosterior, nearest_kronecker
 from ..types import DivergenceError, KronCurvature, ParamDict, Structure, flatten, unflatten
 from .closures import BatchClosure
@@ -351,6 +367,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
         self._data = data_part(prior, init_precision) if init_precision is not None else _data_like(prior, 0.0)
         self._momentum: ParamDict | None = None
         self._t = 0
+        self._dp, self._dp_total, self._dp_empty = False, None, False  # per step (_begin_data_parallel)
 
     def rebuild(self, model: nn.Module, prior: GaussianPosterior, init_precision: GaussianPosterior) -> None:
         """Re-initialise this optimiser in place over ``prior``'s parameters (e.g. with new heads added),
@@ -436,10 +453,10 @@ class BayesianLearningRule(torch.optim.Optimizer):
 
         losses = losses_fn(theta).detach()
         b = losses.shape[0]
-        scale = self.n_data / b
+        scale, pw = self._scales(b)
         per_ex = jacrev(losses_fn)(theta)  # per-example gradients, [B, *shape] each
         pen_grad = grad(penalty_fn)(theta)
-        g = {k: scale * per_ex[k].sum(0) + self.n_data * pen_grad[k] for k in self.names}
+        g = {k: scale * per_ex[k].sum(0) + self.n_data * pw * pen_grad[k] for k in self.names}
         structure = self.prior.structure
         if self.curvature == "hessian":
             flat = flatten(theta)
@@ -455,6 +472,10 @@ class BayesianLearningRule(torch.optim.Optimizer):
             h = scale * j.T @ j
         else:
             assert isinstance(self.prior, KronPosterior)
+            if self._dp:
+                raise NotImplementedError("curvature 'gauss_newton' with structure 'kron' is a nearest-Kronecker fit "
+                                          "to per-example gradients, not a sum over examples: not available "
+                                          "data-parallel; use curvature 'ggn' or 'empirical_fisher'")
             blocks = {}
             for w, bias, _ in self.prior.blocks:
                 gw = per_ex[w].reshape(b, per_ex[w].shape[1], -1)
@@ -462,7 +483,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
                 a, gg = _kron_from_per_example_grads(gmat, iters=self.kron_iters)
                 blocks[w] = (scale * a, gg)
             h = (blocks, {k: scale * (per_ex[k] ** 2).sum(0) for k in self.prior.diag})
-        return losses.mean() + penalty_fn(theta).detach(), g, h
+        return self._mean_loss(losses) + pw * penalty_fn(theta).detach(), g, h
 
     def _gradients(self, closure: Closure, theta: ParamDict) -> tuple[Tensor, ParamDict, ParamDict, Tensor]:
         """One forward and backward pass at θ: (losses [B], ĝ of the data term, ĝ of everything, penalty).
@@ -473,7 +494,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
         leaves = {k: v.detach().requires_grad_(True) for k, v in theta.items()}
         out = closure(leaves)
         losses, penalty = out if isinstance(out, tuple) else (out, None)
-        scale = self.n_data / losses.shape[0]
+        scale, pw = self._scales(losses.shape[0])
         inputs = [leaves[k] for k in self.names]
         data_grads = torch.autograd.grad(scale * losses.sum(), inputs, allow_unused=True,
                                          retain_graph=penalty is not None)
@@ -481,9 +502,9 @@ class BayesianLearningRule(torch.optim.Optimizer):
         g = g_data
         pen = torch.zeros((), dtype=losses.dtype, device=losses.device)
         if penalty is not None:
-            pen_grads = torch.autograd.grad(self.n_data * penalty, inputs, allow_unused=True)
+            pen_grads = torch.autograd.grad(self.n_data * pw * penalty, inputs, allow_unused=True)
             g = {k: g_data[k] + pg if pg is not None else g_data[k] for k, pg in zip(self.names, pen_grads)}
-            pen = penalty.detach()
+            pen = pw * penalty.detach()
         return losses.detach(), g_data, g, pen
 
     def _price_estimates(self, closure: Closure, theta: ParamDict, noise: ParamDict,
@@ -493,7 +514,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
         names = self.names
         h_list = torch._foreach_mul(torch._foreach_mul([g_data[k] for k in names], [noise[k] for k in names]),
                                     [s_sample[k] for k in names])
-        return losses.mean() + pen, g, dict(zip(names, h_list))
+        return self._mean_loss(losses) + pen, g, dict(zip(names, h_list))
 
     def _engine_estimates(self, closure: Closure, theta: ParamDict) -> tuple[Tensor, ParamDict, object]:
         """(mean loss, ĝ, ĥ) at θ with ĥ from the curvature engine on the closure's minibatch.
@@ -505,21 +526,77 @@ class BayesianLearningRule(torch.optim.Optimizer):
             raise ValueError(f"curvature: {self.curvature!r} needs a BatchClosure (the minibatch for the curvature "
                              f"engine); got {type(closure).__name__}. Use curvature='gauss_newton' for other closures")
         losses, _, g, pen = self._gradients(closure, theta)
-        scale = self.n_data / losses.shape[0]
+        scale, pw = self._scales(losses.shape[0])
         structure = self.prior.structure
+        # data parallel over a global batch: the engine takes this rank's rows (MC labels drawn for all B)
+        # and returns this rank's part (K-FAC's A already weighted b_r/B); the step reduces it
+        x, y = (closure.x_global, closure.y_global) if closure.sharded else (closure.x, closure.y)
         # the delta method evaluates at the mean, which the model already holds
         with contextlib.nullcontext() if self.mc_samples == 0 else self._loaded(theta):
-            c = engine_curvature(self.model, closure.x, closure.y, kind=self.curvature, structure=structure,
+            c = engine_curvature(self.model, x, y, kind=self.curvature, structure=structure,
                                  likelihood=closure.likelihood, sigma=closure.sigma, head=closure.head,
-                                 param_names=self.names, generator=self.generator)
+                                 param_names=self.names, generator=self.generator, shard=closure.sharded,
+                                 reduce=False)
+        if closure.sharded:
+            scale = self.n_data / closure.batch_size  # an empty part: c is zero already
+        a_w = 1.0 if closure.sharded else pw
         if isinstance(c, KronCurvature):
-            h: object = ({blk.weight: (scale * blk.A, blk.G) for blk in c.blocks},
+            h: object = ({blk.weight: (scale * a_w * blk.A, blk.G) for blk in c.blocks},
                          {k: scale * v for k, v in c.diag.items()})
         elif isinstance(c, dict):
             h = {k: scale * c[k] for k in self.names}
         else:
             h = scale * c
-        return losses.mean() + pen, g, h
+        return self._mean_loss(losses) + pen, g, h
+
+    # ----- data parallel -------------------------------------------------------------------------
+    def _begin_data_parallel(self, closure: Closure) -> None:
+        """Per step: whether ĝ, ĥ are all-reduced, and B when the closure knows it (see the module docstring)."""
+        self._dp = distributed.is_distributed()
+        self._dp_total = None
+        self._dp_empty = False
+        if self._dp and isinstance(closure, BatchClosure):
+            if closure.sharded:
+                self._dp_total = closure.batch_size
+            if closure.x.shape[0] == 0:  # no examples on this rank: one example's computation, weight 0
+                closure.x, closure.y = closure.x_global[:1], closure.y_global[:1]
+                self._dp_empty = True
+
+    def _scales(self, b: int) -> tuple[float, float]:
+        """(N/B, b/B): the data term's scale and the penalty's weight of this rank's b examples (N/b, 1 in
+        one process). B is the global batch (all-reduced once per step when the closure does not know it)."""
+        if not self._dp:
+            return self.n_data / b, 1.0
+        if self._dp_total is None:
+            self._dp_total = round(distributed.all_reduce_float(b, "batch size"))
+        total = max(self._dp_total, 1)
+        if self._dp_empty:
+            return 0.0, 0.0
+        return self.n_data / total, b / total
+
+    def _mean_loss(self, losses: Tensor) -> Tensor:
+        """(1/B) Σ_{i∈rank} ℓ_i: this rank's part of the global mean loss (the mean in one process)."""
+        if not self._dp:
+            return losses.mean()
+        return losses.sum() * (self._scales(losses.shape[0])[0] / self.n_data)
+
+    def _reduce_estimates(self, loss: Tensor, g: object, h: object) -> Tensor:
+        """All-reduce (loss, ĝ, ĥ) in place with one collective; returns the loss as a tensor (no-op in one process)."""
+        if not self._dp:
+            return loss
+        loss = loss.detach().reshape(1).clone()
+        tensors = [loss] + list(g.values()) if isinstance(g, dict) else [loss] + list(g)  # type: ignore[arg-type]
+        if isinstance(h, tuple):
+            blocks, diag = h
+            tensors += [t for pair in blocks.values() for t in pair] + list(diag.values())
+        elif isinstance(h, dict):
+            tensors += list(h.values())
+        elif isinstance(h, list):
+            tensors += h
+        else:
+            tensors += curvature_tensors(h)  # type: ignore[arg-type]
+        distributed.all_reduce_sum_(tensors, "blr step")
+        return loss[0]
 
     @contextlib.contextmanager
     def _loaded(self, theta: ParamDict) -> Iterator[None]:
@@ -541,6 +618,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
         """One BLR step. Returns the mean minibatch loss (averaged over MC samples)."""
         if closure is None:
             raise ValueError("closure: the BLR needs a closure(params) -> per-example losses")
+        self._begin_data_parallel(closure)
         group = self.param_groups[0]
         lr, rho, beta1 = group["lr"], group["rho"], group["beta1"]
         if self._t == 0 and self.init_hess is not None:  # a data-scale start for every parameter
@@ -560,6 +638,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
                     noise = sampler.sample_noise(self.generator)  # type: ignore[union-attr]
                     theta = {k: mean[k] + noise[k] for k in self.names}
                 loss, g, h = self._estimates(closure, theta, noise, None)
+                loss = self._reduce_estimates(loss, g, h)
                 loss_sum = loss_sum + loss
                 g_sum = g if g_sum is None else {k: g_sum[k] + g[k] for k in g}
                 h_sum = h if h_sum is None else _add_curv(h_sum, h)
@@ -616,8 +695,9 @@ class BayesianLearningRule(torch.optim.Optimizer):
                     noise_d = dict(zip(names, noise))
                     theta = dict(zip(names, torch._foreach_add(mean, noise)))
                 loss, g, h = self._estimates(closure, theta, noise_d, dict(zip(names, s_now)) if s_now else None)
-                loss_sum = loss_sum + loss
                 g_list, h_list = [g[k] for k in names], [h[k] for k in names]  # type: ignore[index]
+                loss = self._reduce_estimates(loss, g_list, h_list)
+                loss_sum = loss_sum + loss
                 if g_sum is None:
                     g_sum, h_sum = g_list, h_list
                 else:

@@ -5,6 +5,11 @@ curvature engine.
 :mod:`continual_blr.optim.blr`): it receives a ParamDict of the covered parameters and returns the
 **per-example** negative log-likelihoods ``[B]`` computed with them, or a pair ``(losses, penalty)``
 where ``penalty`` is an extra differentiable term relative to the *mean* loss (e.g. FROMP).
+
+Data parallel (``continual_blr.distributed``): a closure built with ``data_parallel=True`` over the
+*global* minibatch (the same on every rank) evaluates only this rank's contiguous part of it
+(``x``, ``y``); ``x_global`` / ``y_global``, ``batch_size`` (B) and ``start`` describe the whole, and the
+BLR optimiser all-reduces ĝ and ĥ with the weights that make them one process's.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Callable
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from .. import distributed
 from ..curvature import likelihoods as lk
 from ..types import ParamDict
 
@@ -38,13 +44,26 @@ class BatchClosure:
         penalty: optional ``penalty(params) -> scalar``.
         likelihood: ``"classification"`` or ``"regression"``.
         sigma: the Gaussian noise standard deviation (regression).
+        data_parallel: in a multi-process run, ``x`` and ``y`` are the global batch and the closure
+            evaluates this rank's part (``self.x``, ``self.y``); without a process group it changes nothing.
+
+    Attributes:
+        x, y: the examples this closure evaluates (this rank's part).
+        x_global, y_global: the whole minibatch.
+        batch_size: B, the number of examples in the whole minibatch.
+        start: the index of ``x[0]`` in the whole minibatch.
+        sharded: True when ``x`` is a rank's part of a larger batch whose ĝ, ĥ must be all-reduced.
     """
 
     def __init__(self, model: nn.Module, x: Tensor, y: Tensor, head: int = 0,
                  penalty: Callable[[ParamDict], Tensor] | None = None, likelihood: str = "classification",
-                 sigma: float = 1.0) -> None:
+                 sigma: float = 1.0, data_parallel: bool = False) -> None:
         lk.check_likelihood(likelihood, sigma)
-        self.model, self.x, self.y, self.head, self.penalty = model, x, y, int(head), penalty
+        self.model, self.head, self.penalty = model, int(head), penalty
+        self.x_global, self.y_global, self.batch_size = x, y, int(x.shape[0])
+        self.sharded = bool(data_parallel) and distributed.is_distributed()
+        self.start, stop = distributed.shard_bounds(self.batch_size) if self.sharded else (0, self.batch_size)
+        self.x, self.y = x[self.start:stop], y[self.start:stop]
         self.likelihood, self.sigma = likelihood, float(sigma)
 
     def __call__(self, params: ParamDict) -> "Tensor | tuple[Tensor, Tensor]":
