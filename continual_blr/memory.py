@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from . import distributed
 from .types import ParamDict
 
 __all__ = [
@@ -148,13 +149,25 @@ def select_memorable(
     selection: str = "lambda",
     generator: torch.Generator | None = None,
     batch_size: int = 1024,
+    shard: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Score ``x`` by λ(x) on ``head`` and pick ``n_points`` per task (per class, see module docstring).
+
+    Data parallel (``shard``; default: whenever a process group of more than one process is
+    initialised): each rank scores its contiguous part of ``x`` and the scores are all-gathered, so
+    every rank holds all N scores and chooses the same memorable points (top k globally; ``"random"``
+    draws from a generator in the same state on every rank). Every rank must then call this.
 
     Returns:
         ``(indices, scores)``: the chosen indices into ``x`` and the λ scores of **all** inputs.
     """
-    scores = hessian_trace_scores(model, x, head=head, batch_size=batch_size)
+    if shard is None:
+        shard = distributed.is_distributed()
+    if shard and distributed.is_distributed():
+        scores = distributed.all_gather_cat(
+            hessian_trace_scores(model, distributed.shard(x), head=head, batch_size=batch_size), "memory scores")
+    else:
+        scores = hessian_trace_scores(model, x, head=head, batch_size=batch_size)
     return select_per_class(scores, y, n_points, selection=selection, generator=generator), scores
 
 

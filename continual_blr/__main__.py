@@ -1,0 +1,36 @@
+"""``python -m continual_blr ...``: the command line (``continual_blr.cli``), also under torchrun.
+
+    torchrun --nproc-per-node 2 -m continual_blr run configs/split_mnist/fromp.yaml
+
+With torchrun's variables set (``WORLD_SIZE`` > 1) the process joins the process group first
+(:func:`continual_blr.distributed.init_from_env`: gloo on CPU, nccl on GPUs); every rank then runs the
+same command data-parallel (``docs/distributed.md``) and only rank 0 writes outputs. An error on one
+rank ends that rank with one line on stderr and exit status 1 (torchrun then stops the others).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from . import distributed
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Join the torchrun process group (if any) and run the CLI; returns the exit status."""
+    try:
+        distributed.init_from_env()
+    except (ValueError, RuntimeError) as err:
+        print(f"continual-blr: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}",
+              file=sys.stderr)
+        return 2
+    from .cli import main as cli_main
+
+    try:
+        with distributed.fail_fast():
+            return cli_main(argv)
+    finally:
+        distributed.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
