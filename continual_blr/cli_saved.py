@@ -1,46 +1,145 @@
-"""Command line for finished runs: ``continual-blr inspect RUN``.
+"""Command line for finished runs: ``continual-blr inspect RUN`` and ``continual-blr predict RUN``.
 
-Registered on the main parser by :func:`add_saved_run_parsers` (see ``continual_blr.cli``).
+Registered on the main parser by :func:`add_saved_run_parsers` (see ``continual_blr.cli``). Both read a
+run folder through :mod:`continual_blr.saved_run`; bad input is one line on stderr and exit status 2.
+
+* ``inspect RUN_OR_CONFIG [--method M] [--task T] [--top K] [--out DIR] [--device D]``: the memorable
+  examples report (``docs/inspect.md``). Given a YAML config, the run is the config's ``out`` (or
+  ``runs/latest`` when it names none) and must have been written by that config.
+* ``predict RUN --inputs FILE.npy [--method M] [--head H] [--out preds.csv] [--device D]``: the
+  method's predictive on new inputs, one CSV row per input (``index, pred, p_0 … p_{K-1}``; a
+  regression run writes ``index, mean_0 … mean_{K-1}``).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import io
+import sys
 from pathlib import Path
 
 from .cli import _fail, _read_yaml
 
 __all__ = ["add_saved_run_parsers"]
 
+_ERRORS = (ValueError, TypeError, KeyError, IndexError)
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
+def _run_of_config(config_path: Path) -> Path:
+    """The run folder a YAML config writes to, checked against the run's own config.
+
+    Raises:
+        FileNotFoundError: the config names no run that exists.
+        ValueError: the run was written by a different config (one line naming the field).
+    """
+    from . import runner
+    from .config import RunConfig, from_dict
+    from .saved_run import check_config_matches
+
+    cfg = from_dict(RunConfig, _read_yaml(str(config_path)))
+    root = Path(getattr(runner, "RUNS_ROOT", "runs"))
+    path = Path(cfg.out) if cfg.out else root / "latest"
+    if not path.exists():
+        how = f"its out {path}" if cfg.out else f"{path} (the config names no out)"
+        raise FileNotFoundError(f"inspect: {config_path} has not been run: no run at {how}; "
+                                f"run `continual-blr run {config_path}` first or pass the run folder")
+    check_config_matches(cfg, path, str(config_path))
+    return path
+
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from .inspect import inspect_path
+    from .saved_run import inspect_path
 
     if args.top is not None and args.top < 1:
         return _fail("--top: must be a positive integer")
-    path, note = Path(args.run), ""
+    path = Path(args.run)
     try:
         if path.is_file() and path.suffix in (".yaml", ".yml"):
-            from .config import RunConfig, from_dict
-
-            path = Path(from_dict(RunConfig, _read_yaml(str(path))).out)
-            note = f" ({path} is the out of {args.run}; for a run written with --out DIR, pass DIR)"
+            path = _run_of_config(path)
         tasks = [args.task] if args.task is not None else None
-        index, _ = inspect_path(path, out=args.out, method=args.method, tasks=tasks, top=args.top)
+        index, insp = inspect_path(path, out=args.out, method=args.method, tasks=tasks, top=args.top,
+                                   device=args.device, progress=not args.no_progress)
     except FileNotFoundError as err:
-        return _fail((str(err).splitlines()[0] if str(err) else type(err).__name__) + note)
-    except (ValueError, TypeError, KeyError, IndexError) as err:
-        return _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
+        return _fail(_first_line(err))
+    except _ERRORS as err:
+        return _fail(_first_line(err))
+    if args.method is None:
+        if insp.has_memory:
+            print(f"inspected {insp.run.method_name} (the first method with a stored memory; choose another with "
+                  f"--method: {', '.join(insp.run.methods)})")
+        else:
+            print(f"inspected {insp.run.method_name}: no method of this run stores a memory, so 'memorable' is the "
+                  f"top-k by tr Λ at the final weights (choose with --method: {', '.join(insp.run.methods)})")
     print(f"wrote {index}")
+    return 0
+
+
+def _cmd_predict(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from .saved_run import load_run
+
+    inputs = Path(args.inputs)
+    if not inputs.is_file():
+        return _fail(f"--inputs: file not found: {args.inputs} (allowed: a .npy array [N, *input_shape] or [N, D])")
+    try:
+        x = np.load(inputs, allow_pickle=False)
+    except (ValueError, OSError) as err:
+        return _fail(f"--inputs: {args.inputs} is not a .npy array ({_first_line(err)})")
+    if x.dtype.kind not in "fiu" or x.ndim < 1 or x.shape[0] == 0:
+        return _fail(f"--inputs: need a non-empty numeric array, got dtype {x.dtype} shape {x.shape}")
+    try:
+        run = load_run(args.run, args.method, device=args.device)
+        if run.stream.likelihood == "classification":
+            proba = run.predict_proba(x.astype(np.float32), head=args.head).cpu()
+            pred = proba.argmax(dim=-1)
+            header = ["index", "pred"] + [f"p_{k}" for k in range(proba.shape[1])]
+            rows = [[i, int(pred[i])] + [f"{float(v):.6g}" for v in proba[i]] for i in range(proba.shape[0])]
+        else:
+            mean = run.predict(x.astype(np.float32), head=args.head).cpu()
+            header = ["index"] + [f"mean_{k}" for k in range(mean.shape[1])]
+            rows = [[i] + [f"{float(v):.6g}" for v in mean[i]] for i in range(mean.shape[0])]
+    except FileNotFoundError as err:
+        return _fail(_first_line(err))
+    except _ERRORS as err:
+        return _fail(_first_line(err))
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(header)
+    writer.writerows(rows)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(buf.getvalue())
+        print(f"wrote {out} ({len(rows)} predictions of {run.method_name})", file=sys.stderr)
+    else:
+        sys.stdout.write(buf.getvalue())
     return 0
 
 
 def add_saved_run_parsers(sub) -> None:
     """Add the subcommands that read a finished run folder to ``sub`` (an argparse subparsers object)."""
     ins = sub.add_parser("inspect", help="per-example scores and an HTML report for a finished run (no retraining)")
-    ins.add_argument("run", help="run folder (holding results.json) or the YAML config that wrote it")
+    ins.add_argument("run", help="run folder (holding results.json; runs/latest works) or the YAML config that wrote it")
     ins.add_argument("--task", type=int, help="inspect only this task, 0-based index (task_id in scores.csv; default: all tasks)")
     ins.add_argument("--top", type=int, help="memorable points per task (default: the run's stored memory or 40)")
-    ins.add_argument("--method", help="which method's saved model (default: the first method in the run's config)")
+    ins.add_argument("--method", help="which method's saved model (default: the first method with a stored memory, "
+                                      "else the first finished one)")
     ins.add_argument("--out", help="report folder (default: RUN_DIR/inspect)")
+    ins.add_argument("--device", default="cpu", help="where to score: cpu (default), cuda or cuda:N")
+    ins.add_argument("--no-progress", action="store_true", help="no progress bar")
     ins.set_defaults(func=_cmd_inspect)
+
+    pred = sub.add_parser("predict", help="predict on new inputs with a saved run's model and method")
+    pred.add_argument("run", help="run folder (holding results.json; runs/latest works) or one of its <method>/ folders")
+    pred.add_argument("--inputs", required=True, help=".npy array of inputs, [N, *input_shape] or flattened [N, D]")
+    pred.add_argument("--method", help="which method (default: the first finished one)")
+    pred.add_argument("--head", type=int, help="output head, 0-based (required when the network has one head per task)")
+    pred.add_argument("--out", help="CSV file to write (default: print the CSV to stdout)")
+    pred.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    pred.set_defaults(func=_cmd_predict)

@@ -2,16 +2,21 @@
 
 * :mod:`.scores` — per-example scores: relevance tr Λ (what FROMP selects on), prediction error,
   prediction covariance J Σ Jᵀ, the leave-one-out shift V e and the sensitivity (Nickl et al. 2023);
-* :mod:`.saved_run` — reload a finished run (stream, network, method state, Σ, stored memory);
+* :mod:`.saved_run` — :class:`SavedRun`, the objects an inspection reads (stream, network, method), Σ
+  (:func:`run_covariance`) and the stored memory; loading a run folder into one is the runner layer's
+  job (:func:`continual_blr.saved_run.load_run`): inspection never reads the run configuration;
 * :mod:`.figures` — image grids, projections, memory maps, histograms, the memorable set across tasks;
 * :mod:`.report` — :func:`inspect_run`, :func:`write_report` (PNGs, ``scores.csv``, ``index.html``).
 
-Command line: ``continual-blr inspect RUN_DIR_OR_CONFIG [--task T] [--top K] [--out DIR]``
-(``docs/inspect.md``).
+Layer: above the training loop and below the runner (``docs/concepts.md``): it imports the methods,
+models, data and curvature, never ``config``, ``runner`` or the CLI.
+
+Command line: ``continual-blr inspect RUN_DIR_OR_CONFIG [--method M] [--task T] [--top K] [--out DIR]
+[--device D]`` (``docs/inspect.md``).
 """
 
-from .report import DEFAULT_TOP, Inspection, inspect_path, inspect_run, write_report
-from .saved_run import RunNotFoundError, SavedRun, load_run, run_covariance, stored_memory
+from .report import DEFAULT_TOP, Inspection, inspect_run, write_report
+from .saved_run import SavedRun, has_memory_store, run_covariance, stored_memory
 from .scores import (
     DEFAULT_PRIOR_PRECISION,
     ExampleScores,
@@ -23,14 +28,12 @@ from .scores import (
 )
 
 __all__ = [
-    "inspect_path",
     "inspect_run",
     "write_report",
     "Inspection",
     "DEFAULT_TOP",
-    "load_run",
     "SavedRun",
-    "RunNotFoundError",
+    "has_memory_store",
     "run_covariance",
     "stored_memory",
     "ExampleScores",

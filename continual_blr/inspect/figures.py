@@ -38,6 +38,17 @@ MEMORABLE_COLOR = "#d62728"
 STORED_COLOR = "#ff7f0e"
 LOWEST_COLOR = "#7f7f7f"
 
+GRID_COLUMNS = 8
+"""Images per row of an example grid."""
+GRID_CELL_IN = 1.3
+"""Width of one grid cell in inches."""
+GRID_DPI = 100
+"""Pixels per inch of the grid PNGs: GRID_COLUMNS × GRID_CELL_IN × GRID_DPI = 1040 px ≤ :data:`GRID_MAX_PX`."""
+GRID_FONT_PT = 8.5
+"""Caption size: at GRID_DPI and shown unscaled, about 12 screen pixels per line."""
+GRID_MAX_PX = 1150
+"""The widest grid the report shows unscaled (its page is 1200 px wide)."""
+
 
 def _figure(width: float, height: float, dpi: int = 110, layout: str | None = None):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -80,9 +91,12 @@ def plot_example_grid(
     *,
     title: str = "",
     bad: Sequence[bool] | None = None,
-    columns: int = 10,
+    columns: int = GRID_COLUMNS,
 ) -> Path:
     """A mosaic of images with a caption under each.
+
+    Sized to be shown at its own pixel size on a page at most :data:`GRID_MAX_PX` wide (the HTML report
+    does not scale it down), so that the :data:`GRID_FONT_PT` captions stay legible.
 
     Args:
         images: [N, C, H, W] (C = 1 or 3) or [N, H, W].
@@ -99,8 +113,10 @@ def plot_example_grid(
     rows = max(1, math.ceil(n / cols))
     n_lines = max((s.count("\n") + 1 for s in captions), default=1)
     pad = max(1, h // 8)
-    cap = int(math.ceil(h * 0.27 * n_lines)) + pad  # caption band under each image, in pixels of the mosaic
-    pitch_y, pitch_x = h + cap + pad, w + 2 * pad
+    pitch_x = w + 2 * pad
+    # caption band under each image, in pixels of the mosaic: n_lines lines of GRID_FONT_PT at 1.3 spacing
+    cap = int(math.ceil(n_lines * 1.3 * GRID_FONT_PT / 72 / GRID_CELL_IN * pitch_x)) + pad
+    pitch_y = h + cap + pad
     mosaic = np.ones((rows * pitch_y, cols * pitch_x, c), dtype=np.float32)
     grey = c == 1
     if grey:
@@ -109,8 +125,8 @@ def plot_example_grid(
         r, q = divmod(i, cols)
         y0, x0 = r * pitch_y + pad, q * pitch_x + pad
         mosaic[y0 : y0 + h, x0 : x0 + w] = imgs[i]
-    cell_in = 1.05
-    fig = _figure(cols * cell_in, rows * cell_in * pitch_y / pitch_x + (0.35 if title else 0.0))
+    cell_in = GRID_CELL_IN
+    fig = _figure(cols * cell_in, rows * cell_in * pitch_y / pitch_x + (0.35 if title else 0.0), dpi=GRID_DPI)
     ax = fig.add_axes((0, 0, 1, 1))
     if grey:
         ax.imshow(mosaic[..., 0], cmap="gray_r", vmin=0.0, vmax=1.0, interpolation="nearest")
@@ -120,7 +136,7 @@ def plot_example_grid(
     for i, text in enumerate(captions[:n]):
         r, q = divmod(i, cols)
         ax.text(q * pitch_x + pitch_x / 2, r * pitch_y + pad + h + pad * 0.5, text, ha="center", va="top",
-                fontsize=6.5, family="monospace", color="#c00000" if bad is not None and bad[i] else "black")
+                fontsize=GRID_FONT_PT, family="monospace", color="#c00000" if bad is not None and bad[i] else "black")
     if title:
         fig.suptitle(title, fontsize=9, y=1.0, va="bottom")
     if n == 0:

@@ -1,7 +1,11 @@
 """Inspect a finished run and write the report: PNG figures, ``scores.csv`` and ``index.html``.
 
-    from continual_blr.inspect import inspect_path
-    index, insp = inspect_path("runs/default", top=40)   # → runs/default/inspect/index.html
+    from continual_blr.saved_run import load_run
+    from continual_blr.inspect import inspect_run, write_report
+    run = load_run("runs/latest", prefer_memory=True)      # the runner's layer reads the folder
+    index = write_report(inspect_run(run, top=40), "runs/latest/inspect")
+
+(``continual_blr.saved_run.inspect_path`` does the three steps; ``continual-blr inspect`` calls it.)
 
 :func:`inspect_run` computes the scores of every training example of the chosen tasks (see
 :mod:`.scores`) and marks the memorable points with FROMP's own selection function
@@ -26,14 +30,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from ..data.stream import Task
 from ..memory import select_memorable, select_per_class
 from . import figures
-from .saved_run import SavedRun, load_run, run_covariance, stored_memory
+from .saved_run import SavedRun, run_covariance, stored_memory
 from .scores import ExampleScores, score_examples
 
-__all__ = ["Inspection", "inspect_run", "write_report", "inspect_path", "DEFAULT_TOP", "MAX_IMAGES"]
+__all__ = ["Inspection", "inspect_run", "write_report", "DEFAULT_TOP", "MAX_IMAGES"]
 
 DEFAULT_TOP = 40
 """Memorable points per task when the run stored none (FROMP's split-MNIST protocol: 20 per class)."""
@@ -82,15 +87,19 @@ def inspect_run(
     tasks: Sequence[int] | None = None,
     top: int | None = None,
     prior_precision: float | None = None,
+    progress: bool = False,
 ) -> Inspection:
     """Score every training example of the chosen tasks of a reloaded run (no retraining).
 
+    The data follow the network's device (a run loaded with ``device="cuda"`` is scored there).
+
     Args:
-        run: from :func:`continual_blr.inspect.load_run`.
+        run: a :class:`SavedRun` (e.g. from :func:`continual_blr.saved_run.load_run`).
         tasks: task ids (0-based, stream order); default all.
         top: memorable points per task (FROMP's ``n_points``: split evenly over the task's classes);
             default: what the run's memory holds per task, else :data:`DEFAULT_TOP`.
         prior_precision: δ of the diagonal Laplace posterior for methods without their own Σ.
+        progress: show a progress bar (tqdm) over Σ and the tasks.
 
     Returns:
         An :class:`Inspection`.
@@ -107,22 +116,33 @@ def inspect_run(
         top = max((m["n"] for m in memory.values()), default=DEFAULT_TOP)
     if int(top) < 1:
         raise ValueError(f"--top: must be >= 1, got {top}")
-    sigma, source = run_covariance(run, prior_precision)
-    t_sigma = time.perf_counter()
     chosen = [run.stream.tasks[i] for i in ids]
-    out = []
-    for task in chosen:
-        s = score_examples(run.model, task.x_train, task.y_train, sigma, head=task.head, task_id=task.task_id)
-        # FROMP's own selection (the function FROMPMethod calls at a task's end), at the final weights
-        idx, lam = select_memorable(run.model, task.x_train, task.y_train, int(top), head=task.head)
-        s.topk_now[idx.cpu()] = True
-        s.lowest[select_per_class(lam, task.y_train.to(lam.device), int(top), selection="lowest").cpu()] = True
-        if task.task_id in memory:
-            s.stored_memory[memory[task.task_id]["indices"]] = True
-            s.memorable = s.stored_memory.clone()
-        else:
-            s.memorable = s.topk_now.clone()
-        out.append(s)
+    dev = next(run.model.parameters()).device
+    bar = tqdm(total=len(chosen) + 1, desc=f"inspect {run.method_name}", unit="step", disable=not progress,
+               leave=False)
+    try:
+        bar.set_postfix_str("covariance")
+        sigma, source = run_covariance(run, prior_precision)
+        bar.update(1)
+        t_sigma = time.perf_counter()
+        out = []
+        for task in chosen:
+            bar.set_postfix_str(f"task {task.task_id + 1}")
+            x, y = task.x_train.to(dev), task.y_train.to(dev)
+            s = score_examples(run.model, x, y, sigma, head=task.head, task_id=task.task_id)
+            # FROMP's own selection (the function FROMPMethod calls at a task's end), at the final weights
+            idx, lam = select_memorable(run.model, x, y, int(top), head=task.head)
+            s.topk_now[idx.cpu()] = True
+            s.lowest[select_per_class(lam, y.to(lam.device), int(top), selection="lowest").cpu()] = True
+            if task.task_id in memory:
+                s.stored_memory[memory[task.task_id]["indices"]] = True
+                s.memorable = s.stored_memory.clone()
+            else:
+                s.memorable = s.topk_now.clone()
+            out.append(s)
+            bar.update(1)
+    finally:
+        bar.close()
     t_scores = time.perf_counter()
     return Inspection(run, chosen, out, int(top), source, bool(memory),
                       {"covariance": t_sigma - t0, "scores": t_scores - t_sigma})
@@ -217,17 +237,34 @@ def _fmt(v: float) -> str:
     return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3g}"
 
 
-def write_report(insp: Inspection, out: str | Path) -> Path:
-    """Write the figures, ``scores.csv`` and ``index.html`` into ``out``; returns the HTML path."""
+def write_report(insp: Inspection, out: str | Path, *, progress: bool = False) -> Path:
+    """Write the figures, ``scores.csv`` and ``index.html`` into ``out``; returns the HTML path.
+
+    Args:
+        insp: from :func:`inspect_run`.
+        out: the report folder (created).
+        progress: show a progress bar (tqdm) over the figures.
+    """
     t0 = time.perf_counter()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     labels = [insp.task_label(i) for i in range(len(insp.scores))]
-    csv_path = _csv(insp, out / "scores.csv")
-    maps = figures.plot_memory_maps(insp.scores, out / "memory_maps.png", task_labels=labels)
-    hists = figures.plot_score_histograms(insp.scores, out / "score_histograms.png", task_labels=labels)
-    across = figures.plot_memory_across_tasks(insp.scores, out / "memory_across_tasks.png")
-    grids = [_grids(insp, i, out) for i in range(len(insp.scores))]
+    bar = tqdm(total=4 + len(insp.scores), desc="report", unit="figure", disable=not progress, leave=False)
+    try:
+        csv_path = _csv(insp, out / "scores.csv")
+        bar.update(1)
+        maps = figures.plot_memory_maps(insp.scores, out / "memory_maps.png", task_labels=labels)
+        bar.update(1)
+        hists = figures.plot_score_histograms(insp.scores, out / "score_histograms.png", task_labels=labels)
+        bar.update(1)
+        across = figures.plot_memory_across_tasks(insp.scores, out / "memory_across_tasks.png")
+        bar.update(1)
+        grids = []
+        for i in range(len(insp.scores)):
+            grids.append(_grids(insp, i, out))
+            bar.update(1)
+    finally:
+        bar.close()
     insp.timings["figures"] = time.perf_counter() - t0
     html_path = out / "index.html"
     html_path.write_text(_html(insp, csv_path, maps, hists, across, grids))
@@ -262,8 +299,9 @@ def _html(insp: Inspection, csv_path: Path, maps: Path, hists: Path, across: Pat
                 overlap]) + "</tr>")
     grid_html = []
     for i, items in enumerate(grids):
-        cells = "".join(f'<div class="cell">{_img(p, f"{insp.task_label(i)}: {title}")}</div>' for title, p in items)
-        grid_html.append(f"<h3>{e(insp.task_label(i))}</h3><div class='row'>{cells}</div>")
+        # one grid per line, drawn at its own pixel size (at most the page's width): captions stay legible
+        cells = "".join(f'<div class="grid">{_img(p, f"{insp.task_label(i)}: {title}")}</div>' for title, p in items)
+        grid_html.append(f"<h3>{e(insp.task_label(i))}</h3>{cells}")
     memory_note = ("The run stored a FROMP memory: <b>memorable</b> = the points it holds per task (chosen by "
                    "<code>continual_blr.memory.select_memorable</code> when each task ended); <b>top-k now</b> = the "
                    "same function at the final weights." if insp.has_memory else
@@ -278,11 +316,12 @@ body {{ font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1200p
 table {{ border-collapse: collapse; font-size: 0.9em; }} td, th {{ border: 1px solid #ccc; padding: 3px 8px; text-align: right; }}
 th {{ background: #f0f0f0; }} figure {{ margin: 0.5em 0; }} figcaption {{ font-size: 0.8em; color: #555; }}
 .row {{ display: flex; flex-wrap: wrap; gap: 1em; }} .cell {{ flex: 1 1 30%; min-width: 300px; }}
+.grid {{ margin: 0.5em 0 1.2em; }} .grid img {{ width: auto; max-width: 100%; height: auto; }}
 code {{ background: #f5f5f5; padding: 0 3px; }} .defs li {{ margin: 0.2em 0; }}
 </style></head><body>
 <h1>Which past examples does the network remember, and why?</h1>
 <p><b>Run</b> <code>{e(str(run.path))}</code> — method <b>{e(run.method_name)}</b> on <b>{e(run.stream.name)}</b>
-({e(run.stream.scenario)}-incremental, {len(run.stream.tasks)} tasks), seed {run.config.seed};
+({e(run.stream.scenario)}-incremental, {len(run.stream.tasks)} tasks), seed {run.seed};
 final average test accuracy {_fmt(res.get("avg_acc", float("nan")))}.<br>
 <b>Σ</b>: {e(insp.sigma_source)}.<br>{memory_note}<br>
 All scores: <a href="{e(csv_path.name)}">{e(csv_path.name)}</a> (one row per training example).
@@ -310,26 +349,3 @@ All scores: <a href="{e(csv_path.name)}">{e(csv_path.name)}</a> (one row per tra
 </ul>
 </body></html>
 """
-
-
-def inspect_path(
-    path: str | Path,
-    *,
-    out: str | Path | None = None,
-    method: str | None = None,
-    tasks: Sequence[int] | None = None,
-    top: int | None = None,
-    prior_precision: float | None = None,
-) -> tuple[Path, Inspection]:
-    """Load a run folder, inspect it and write the report (default folder: ``<run>/inspect``).
-
-    Returns:
-        ``(index.html path, the Inspection)``.
-    """
-    t0 = time.perf_counter()
-    run = load_run(path, method)
-    t_load = time.perf_counter() - t0
-    insp = inspect_run(run, tasks=tasks, top=top, prior_precision=prior_precision)
-    insp.timings = {"load": t_load, **insp.timings}
-    target = Path(out) if out is not None else run.path / "inspect"
-    return write_report(insp, target), insp

@@ -1,10 +1,10 @@
-"""A finished run, reloaded for inspection: stream, trained network, method state, Σ and memory.
+"""A finished run, already loaded, as inspection sees it: stream, trained network, method, Σ and memory.
 
-A run folder written by :func:`continual_blr.runner.run_config` holds ``results.json`` (with the
-config), and per method ``<method>/model.pt`` (the network's state_dict) and ``<method>/method.pt``
-(``method.state_dict()``). Nothing is retrained: the stream is rebuilt from the config (streams are
-deterministic in their seed), the network from the config's architecture and its saved weights, and
-the method from the registry with its saved state.
+Inspection does not read run folders: :func:`continual_blr.saved_run.load_run` (the runner's layer, which
+knows the run configuration) rebuilds the stream, the network and the method from a run folder and
+hands them over as a :class:`SavedRun` (its :class:`~continual_blr.saved_run.LoadedRun` is one). Any
+code that holds a trained network, its method and its stream can build a :class:`SavedRun` directly
+and inspect it without a run folder.
 
 Where Σ comes from (:func:`run_covariance`), in this order:
 
@@ -17,113 +17,52 @@ Where Σ comes from (:func:`run_covariance`), in this order:
    posterior at the final weights, Σ = diag(1/(F + δ)) with F the GGN summed over the training data of
    every task on its own head — the same recipe as FROMP's, evaluated at the final weights — and
    δ = ``prior_precision`` (default :data:`~.scores.DEFAULT_PRIOR_PRECISION` = 1e-3).
-
-Run folders are trusted input (they are read with ``torch.load``; ``weights_only=True`` first).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
-from ..config import MethodConfig, RunConfig, from_dict
 from ..data.stream import TaskStream
-from ..methods import METHODS, build_method
-from ..methods.base import Method, TrainConfig
-from ..models import build_model
+from ..methods.base import Method
 from ..posteriors import GaussianPosterior
-from ..runner import build_stream
 from .scores import DEFAULT_PRIOR_PRECISION, Covariance, diag_laplace_posterior
 
-__all__ = ["SavedRun", "RunNotFoundError", "load_run", "run_covariance", "stored_memory"]
-
-
-class RunNotFoundError(FileNotFoundError):
-    """The folder is not a finished run (no ``results.json``, or no saved state for the method)."""
+__all__ = ["SavedRun", "run_covariance", "stored_memory", "has_memory_store"]
 
 
 @dataclass
 class SavedRun:
-    """A reloaded run: everything an inspection needs, on the CPU.
+    """A trained network with its method and stream: everything an inspection needs.
 
     Attributes:
-        path: the run folder.
-        config: the run's configuration.
+        path: the run folder (where the report goes by default).
         method_name: the inspected method.
-        stream: the task stream, rebuilt from the config.
+        stream: the task stream the network was trained on.
         model: the trained network (eval mode).
-        method: the method rebuilt from the registry with its saved state loaded.
-        result: the method's entry of ``results.json`` (accuracy matrix, times, ...).
+        method: the method, with its state after the last task.
+        result: the method's entry of ``results.json`` (accuracy matrix, times, ...); may be empty.
         methods: every method name the run holds.
+        seed: the run's seed.
     """
 
     path: Path
-    config: RunConfig
     method_name: str
     stream: TaskStream
     model: nn.Module
     method: Method
     result: dict[str, Any] = field(default_factory=dict)
     methods: list[str] = field(default_factory=list)
+    seed: int = 0
 
 
-def _torch_load(path: Path) -> Any:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # noqa: BLE001 - a state with non-tensor objects: the run folder is trusted input
-        return torch.load(path, map_location="cpu", weights_only=False)
-
-
-def load_run(path: str | Path, method: str | None = None) -> SavedRun:
-    """Reload a finished run folder (or one of its ``<method>/`` subfolders) without retraining.
-
-    Args:
-        path: the folder holding ``results.json``, or its ``<method>`` subfolder.
-        method: which method to inspect (default: the subfolder's, else the first in ``results.json``).
-
-    Raises:
-        RunNotFoundError: no ``results.json`` / no ``model.pt`` for the method.
-        ValueError: the method is not in the run.
-    """
-    p = Path(path)
-    if p.is_dir() and not (p / "results.json").is_file() and (p / "model.pt").is_file() \
-            and (p.parent / "results.json").is_file():
-        method = method or p.name
-        p = p.parent
-    if not (p / "results.json").is_file():
-        raise RunNotFoundError(f"run: not a run folder (no results.json): {path}; expected a folder written by "
-                               "`continual-blr run`, one of its <method>/ subfolders, or the YAML config that wrote it")
-    payload = json.loads((p / "results.json").read_text())
-    config = from_dict(RunConfig, payload["config"])
-    results = {r["method"]: r for r in payload.get("results", [])}
-    names = [m.name for m in config.methods]
-    name = method or names[0]
-    if name not in names:
-        raise ValueError(f"--method: the run holds {', '.join(names)}; got {name!r}")
-    mdir = p / name
-    if not (mdir / "model.pt").is_file() or not (mdir / "method.pt").is_file():
-        raise RunNotFoundError(f"run: no saved model/method state for {name!r} under {mdir}")
-    if name not in METHODS:
-        raise ValueError(f"method: {name!r} is not registered; allowed: {', '.join(sorted(METHODS))}")
-    mc: MethodConfig = next(m for m in config.methods if m.name == name)
-    stream = build_stream(config)
-    model = build_model(config.model.arch, stream.input_shape, stream.n_outputs, stream.n_heads,
-                        hidden=tuple(config.model.hidden))
-    model.load_state_dict(_torch_load(mdir / "model.pt"))
-    model.eval()
-    result = results.get(name, {})
-    train_dict = result.get("config", {}).get("train_used") or (dataclasses.asdict(config.train) | dict(mc.train))
-    train = from_dict(TrainConfig, train_dict, path="train")
-    meth = build_method(name, mc.params, seed=config.seed)
-    meth.setup(model, stream, train)
-    meth.load_state_dict(_torch_load(mdir / "method.pt"))
-    return SavedRun(p, config, name, stream, model, meth, result, names)
+def has_memory_store(method: Method) -> bool:
+    """Whether ``method`` keeps memorable points (a regulariser with a ``memory`` store: the FROMP family)."""
+    return getattr(getattr(method, "regularizer", None), "memory", None) is not None
 
 
 def run_covariance(run: SavedRun, prior_precision: float | None = None) -> tuple[Covariance, str]:

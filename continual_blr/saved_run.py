@@ -1,0 +1,283 @@
+"""Reload a run folder written by ``continual-blr run`` and predict with it: save → load → predict.
+
+    import continual_blr
+    run = continual_blr.load_run("runs/latest", method="fromp")     # model, method, config, results
+    proba = run.predict_proba(x_new, head=0)                        # [N, K] class probabilities
+    labels = run.predict(x_new, head=0)                             # [N] class indices
+
+Nothing is retrained. The stream is rebuilt from the saved config (streams are deterministic in their
+seed; it gives the input shape, the number of heads and the likelihood), the network from the config's
+architecture and its saved weights, and the method from the registry with its saved state, so the
+predictions are the method's own predictive: a Monte-Carlo average over the posterior for the methods
+that define one (``blr``, ``vcl``, ``ivon``, ... with ``predict_samples``), the network's softmax for
+the others (``continual_blr.methods.base.Method.predict_proba``).
+
+Run folder layout read here (other files, e.g. per-task checkpoints or logs, are ignored)::
+
+    <run>/results.json          {"config": ..., "results": [finished methods' results], ...}
+    <run>/<method>/model.pt     the network's state_dict     (written when the method finished)
+    <run>/<method>/method.pt    method.state_dict()          (idem)
+
+A run that is still going, or was stopped, holds the methods that finished; those load. Run folders are
+trusted input: they are read with ``torch.load`` (``weights_only=True`` first, the full unpickler only
+for a method state holding non-tensor objects).
+
+This module sits in the runner's layer (it reads the run configuration); inspection
+(:mod:`continual_blr.inspect`) works on the loaded objects and never reads folders itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .config import RunConfig, from_dict
+from .inspect.saved_run import SavedRun, has_memory_store
+from .methods import METHODS, build_method
+from .methods.base import TrainConfig
+from .models import build_model
+from .runner import build_stream
+
+__all__ = ["LoadedRun", "RunNotFoundError", "load_run", "saved_methods", "check_config_matches", "inspect_path"]
+
+RESULTS = "results.json"
+
+
+class RunNotFoundError(FileNotFoundError):
+    """The folder is not a run (no ``results.json``), or holds no saved state for the method."""
+
+
+@dataclass
+class LoadedRun(SavedRun):
+    """A reloaded run: the trained network and its method, ready to predict or to inspect.
+
+    Attributes (beyond :class:`continual_blr.inspect.SavedRun`'s ``path``, ``method_name``, ``stream``,
+    ``model``, ``method``, ``result``, ``methods``, ``seed``):
+        config: the run's :class:`~continual_blr.config.RunConfig`.
+        payload: the whole ``results.json`` (config, results of every finished method, ...).
+        device: where the network and the method's state live.
+    """
+
+    config: RunConfig | None = None
+    payload: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"
+
+    def _inputs(self, x: Tensor | np.ndarray | Sequence) -> Tensor:
+        """``x`` as a float tensor [N, *input_shape] on the network's device (flat rows are reshaped)."""
+        t = torch.as_tensor(np.asarray(x) if not isinstance(x, Tensor) else x)
+        shape = tuple(self.stream.input_shape)
+        per = math.prod(shape)
+        if tuple(t.shape[1:]) != shape:
+            if t.dim() >= 1 and t.numel() % per == 0 and (t.dim() == 1 or math.prod(t.shape[1:]) == per):
+                t = t.reshape(-1, *shape)
+            else:
+                raise ValueError(f"inputs: shape {tuple(t.shape)} does not fit the run's inputs; allowed: "
+                                 f"[N, {', '.join(map(str, shape))}] or [N, {per}]")
+        ref = next(self.model.parameters())
+        return t.to(device=ref.device, dtype=ref.dtype)
+
+    def _head(self, head: int | None) -> int:
+        n = int(self.stream.n_heads)
+        if head is None:
+            if n > 1:
+                raise ValueError(f"head: the network has {n} heads (one per task); pass head=0..{n - 1}")
+            return 0
+        if not 0 <= int(head) < n:
+            raise ValueError(f"head: allowed 0..{n - 1}, got {head}")
+        return int(head)
+
+    @torch.no_grad()
+    def predict_proba(self, x: Tensor | np.ndarray, head: int | None = None) -> Tensor:
+        """Class probabilities [N, K] of the method's predictive on head ``head``.
+
+        Args:
+            x: inputs [N, *input_shape] (or flattened [N, prod(input_shape)]); a tensor or an array.
+            head: the output head (the task's index in a task-incremental run; may be left out when the
+                network has one head).
+
+        Raises:
+            ValueError: a regression run, inputs of the wrong shape, or a head out of range.
+        """
+        if self.stream.likelihood != "classification":
+            raise ValueError("predict_proba: the run is a regression; use predict (the predictive mean)")
+        self.model.eval()
+        return self.method.predict_proba(self.model, self._inputs(x), self._head(head))
+
+    @torch.no_grad()
+    def predict(self, x: Tensor | np.ndarray, head: int | None = None) -> Tensor:
+        """Predicted class indices [N] (argmax of :meth:`predict_proba`); for a regression run the
+        predictive mean [N, K]. Arguments as :meth:`predict_proba`."""
+        if self.stream.likelihood != "classification":
+            self.model.eval()
+            return self.method.predict_mean(self.model, self._inputs(x), self._head(head))
+        return self.predict_proba(x, head).argmax(dim=-1)
+
+
+def _torch_load(path: Path, device: str) -> Any:
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception:  # noqa: BLE001 - a state with non-tensor objects: the run folder is trusted input
+        return torch.load(path, map_location=device, weights_only=False)
+
+
+def _run_folder(path: str | Path) -> tuple[Path, str | None]:
+    """``(run folder, method named by a <method>/ subfolder or None)``; follows a ``latest`` pointer file."""
+    p = Path(path)
+    if p.is_file() and p.name != RESULTS and p.stat().st_size < 4096:  # runs/latest as a text file
+        target = p.parent / p.read_text().strip()
+        if target.is_dir():
+            p = target
+    if p.is_file() and p.name == RESULTS:
+        p = p.parent
+    if p.is_dir() and not (p / RESULTS).is_file() and (p / "model.pt").is_file() and (p.parent / RESULTS).is_file():
+        return p.parent, p.name
+    if not (p / RESULTS).is_file():
+        raise RunNotFoundError(f"run: not a run folder (no {RESULTS}): {path}; expected a folder written by "
+                               "`continual-blr run`, one of its <method>/ subfolders, or the YAML config that wrote it")
+    return p, None
+
+
+def _read_payload(folder: Path) -> tuple[dict[str, Any], RunConfig]:
+    payload = json.loads((folder / RESULTS).read_text())
+    return payload, from_dict(RunConfig, payload["config"])
+
+
+def saved_methods(path: str | Path) -> list[str]:
+    """The methods of a run folder whose trained state is saved (``model.pt`` and ``method.pt``), in the
+    config's order: the ones :func:`load_run` can load."""
+    folder, _ = _run_folder(path)
+    _, config = _read_payload(folder)
+    return [m.name for m in config.methods if (folder / m.name / "model.pt").is_file()
+            and (folder / m.name / "method.pt").is_file()]
+
+
+def _default_method(folder: Path, config: RunConfig, prefer_memory: bool) -> str:
+    saved = [m for m in config.methods if (folder / m.name / "model.pt").is_file()
+             and (folder / m.name / "method.pt").is_file()]
+    if not saved:
+        raise RunNotFoundError(f"run: no method of {folder} has finished yet (no <method>/model.pt); "
+                               f"the run holds {', '.join(m.name for m in config.methods)}")
+    if prefer_memory:
+        for mc in saved:
+            if mc.name in METHODS and has_memory_store(build_method(mc.name, mc.params, seed=config.seed)):
+                return mc.name
+    return saved[0].name
+
+
+def load_run(path: str | Path, method: str | None = None, *, device: str = "cpu",
+             prefer_memory: bool = False) -> LoadedRun:
+    """Reload a run folder (or one of its ``<method>/`` subfolders) without retraining.
+
+    Args:
+        path: the folder holding ``results.json`` (``runs/latest`` works), or its ``<method>`` subfolder.
+        method: which method to load (default: the subfolder's; else, with ``prefer_memory``, the first
+            method that keeps memorable points; else the first method with saved state).
+        device: where to put the network and the method's state (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
+        prefer_memory: the default method is the first one with a memory store (the FROMP family), as
+            inspection wants.
+
+    Returns:
+        A :class:`LoadedRun`: ``model``, ``method``, ``config``, ``result`` (this method's results),
+        ``payload`` (all of ``results.json``), ``stream``; ``predict`` / ``predict_proba`` on new inputs.
+
+    Raises:
+        RunNotFoundError: no ``results.json``, or no ``model.pt`` / ``method.pt`` for the method.
+        ValueError: the method is not in the run, or the device is not available.
+    """
+    folder, sub = _run_folder(path)
+    payload, config = _read_payload(folder)
+    names = [m.name for m in config.methods]
+    name = method or sub or _default_method(folder, config, prefer_memory)
+    if name not in names:
+        raise ValueError(f"--method: the run holds {', '.join(names)}; got {name!r}")
+    if name not in METHODS:
+        raise ValueError(f"method: {name!r} is not registered; allowed: {', '.join(sorted(METHODS))}")
+    mdir = folder / name
+    if not (mdir / "model.pt").is_file() or not (mdir / "method.pt").is_file():
+        done = saved_methods(folder)
+        raise RunNotFoundError(f"run: {name!r} has not finished in {folder} (no {name}/model.pt); finished: "
+                               f"{', '.join(done) if done else 'none yet'}")
+    dev = _check_device(device)
+    results = {r["method"]: r for r in payload.get("results", []) if isinstance(r, dict) and "method" in r}
+    mc = next(m for m in config.methods if m.name == name)
+    stream = build_stream(config)
+    model = build_model(config.model.arch, stream.input_shape, stream.n_outputs, stream.n_heads,
+                        hidden=tuple(config.model.hidden)).to(dev)
+    model.load_state_dict(_torch_load(mdir / "model.pt", dev))
+    model.eval()
+    result = results.get(name, {})
+    train_dict = (result.get("config") or {}).get("train_used") or (dataclasses.asdict(config.train) | dict(mc.train))
+    train = from_dict(TrainConfig, train_dict, path="train")
+    meth = build_method(name, mc.params, seed=config.seed)
+    meth.setup(model, stream, train)
+    meth.load_state_dict(_torch_load(mdir / "method.pt", dev))
+    return LoadedRun(path=folder, method_name=name, stream=stream, model=model, method=meth, result=result,
+                     methods=names, seed=config.seed, config=config, payload=payload, device=dev)
+
+
+def _check_device(device: str) -> str:
+    dev = str(device)
+    if dev == "cpu":
+        return dev
+    if dev.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device: {dev!r} requested but CUDA is not available; allowed here: 'cpu'")
+        return dev
+    raise ValueError(f"--device: got {dev!r}; allowed: 'cpu', 'cuda', 'cuda:N'")
+
+
+def check_config_matches(config: RunConfig, path: str | Path, config_name: str = "the config") -> None:
+    """Check that the run in ``path`` was written by ``config`` (stream, scenario, options, validation,
+    methods and seed).
+
+    Raises:
+        ValueError: one line naming the first field that differs and both values.
+    """
+    folder, _ = _run_folder(path)
+    _, saved = _read_payload(folder)
+    pairs = [
+        ("stream", config.stream.name, saved.stream.name),
+        ("stream.scenario", config.stream.scenario, saved.stream.scenario),
+        ("stream.options", config.stream.options, saved.stream.options),
+        ("stream.validation", config.stream.validation, saved.stream.validation),
+        ("methods", [m.name for m in config.methods], [m.name for m in saved.methods]),
+        ("seed", config.seed, saved.seed),
+    ]
+    for field_name, want, got in pairs:
+        if want != got:
+            raise ValueError(f"inspect: {folder} was not written by {config_name}: {field_name} is {got!r} in the "
+                             f"run, {want!r} in the config; run the config first or pass the run folder")
+
+
+def inspect_path(path: str | Path, *, out: str | Path | None = None, method: str | None = None,
+                 tasks: Sequence[int] | None = None, top: int | None = None,
+                 prior_precision: float | None = None, device: str = "cpu",
+                 progress: bool = False) -> tuple[Path, Any]:
+    """Load a run folder, inspect it and write the report (default folder: ``<run>/inspect``).
+
+    The default method is the first one that keeps memorable points (:func:`load_run` with
+    ``prefer_memory``). See :func:`continual_blr.inspect.inspect_run` for the other arguments.
+
+    Returns:
+        ``(index.html path, the Inspection)``.
+    """
+    import time
+
+    from .inspect import inspect_run, write_report
+
+    t0 = time.perf_counter()
+    run = load_run(path, method, device=device, prefer_memory=True)
+    t_load = time.perf_counter() - t0
+    insp = inspect_run(run, tasks=tasks, top=top, prior_precision=prior_precision, progress=progress)
+    insp.timings = {"load": t_load, **insp.timings}
+    target = Path(out) if out is not None else run.path / "inspect"
+    return write_report(insp, target, progress=progress), insp
