@@ -235,9 +235,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         bad = _apply_machine_flags(cfg, args)
         if bad:
             return _fail(bad)
-        from .runner import check_methods
+        from .runner import check_runnable
 
-        check_methods(cfg)
+        check_runnable(cfg)
         with _threads(args.threads), _sigterm_as_interrupt():
             if seeds is not None:
                 return _run_sweep(cfg, seeds, args)

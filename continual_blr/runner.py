@@ -38,7 +38,7 @@ from .run_folder import (
 )
 from .run_logs import TrainingLog
 
-__all__ = ["run_config", "resolve_out", "load_results", "load_run_config", "build_stream", "check_methods",
+__all__ = ["run_config", "resolve_out", "load_results", "load_run_config", "build_stream", "check_runnable", "check_methods",
            "format_table", "RunInterrupted", "QUICK_EPOCH_DIVISOR", "RUNS_ROOT"]
 
 QUICK_EPOCH_DIVISOR = 5
@@ -87,6 +87,18 @@ def build_stream(cfg: RunConfig) -> TaskStream:
     if cfg.stream.validation:
         kwargs["validation"] = cfg.stream.validation
     return make_stream(cfg.stream.name, data_dir=cfg.stream.data_dir, seed=cfg.seed, **kwargs)
+
+
+def check_runnable(cfg: RunConfig) -> None:
+    """Everything about ``cfg`` that can fail before training, checked before a folder is made: the device
+    is available and every method builds (:func:`check_methods`).
+
+    Raises:
+        ValueError: one line naming the field.
+    """
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device: {cfg.device!r} requested but CUDA is not available; use 'cpu'")
+    check_methods(cfg)
 
 
 def check_methods(cfg: RunConfig) -> None:
@@ -244,9 +256,7 @@ def run_config(cfg: RunConfig, save: bool = True, *, resume: bool = False, tenso
         RunInterrupted: SIGINT (KeyboardInterrupt) or SIGTERM (if the caller maps it to KeyboardInterrupt)
             stopped the run; everything finished is on disk.
     """
-    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device: {cfg.device!r} requested but CUDA is not available; use 'cpu'")
-    check_methods(cfg)
+    check_runnable(cfg)
     if save and cfg.out is None:
         cfg = resolve_out(cfg)
     stream = build_stream(cfg)

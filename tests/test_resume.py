@@ -1,0 +1,185 @@
+"""Interrupted runs: a run stopped by SIGINT (at a task boundary, mid-task, or by a real signal to a
+subprocess) and resumed gives exactly the accuracy matrix and carried state of an uninterrupted run.
+
+Oracle: the uninterrupted run with the same config and seed (CPU, bit-exact: ``torch.equal`` on every
+saved tensor, ``==`` on the accuracy matrix). The run folder of an interrupted run is valid on its own:
+``results.json`` parses, finished methods are complete, and ``load_run`` reloads them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import continual_blr.loop as loop
+from continual_blr.cli import main
+
+CONFIG = """\
+stream: {name: synthetic, options: {n_tasks: 3, n_train: 40}}
+model: {hidden: [8]}
+train: {epochs: 2, batch_size: 10}
+seed: 3
+methods:
+  - {name: blr, params: {mc_samples: 2, predict_samples: 2}}
+  - {name: ewc}
+  - {name: fromp, params: {n_points: 6}}
+  - {name: vcl, params: {coreset_size: 4, predict_samples: 2}}
+"""
+METHODS = ["blr", "ewc", "fromp", "vcl"]
+
+
+def _same(a, b, where="") -> None:
+    """Exact equality of nested saved states (tensors bit-equal, floats ==, NaN == NaN)."""
+    assert type(a) is type(b), f"{where}: {type(a)} vs {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), where
+    else:
+        assert a == b, f"{where}: {a!r} vs {b!r}"
+
+
+def _load(p: Path):
+    return torch.load(p, map_location="cpu", weights_only=False)
+
+
+def _matrices(run: Path) -> dict[str, list[list[float]]]:
+    payload = json.loads((run / "results.json").read_text())
+    return {r["method"]: r["acc_matrix"] for r in payload["results"]}
+
+
+def _assert_same_run(ref: Path, run: Path) -> None:
+    assert _matrices(ref) == _matrices(run)
+    for m in METHODS:
+        _same(_load(ref / m / "model.pt"), _load(run / m / "model.pt"), f"{m}/model")
+        _same(_load(ref / m / "method.pt"), _load(run / m / "method.pt"), f"{m}/method")  # the carried posterior
+        for log in ("train_log.csv", "accuracy.csv"):
+            assert (ref / m / log).read_text() == (run / m / log).read_text(), f"{m}/{log}"
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("cfg") / "tiny.yaml"
+    p.write_text(CONFIG)
+    return p
+
+
+@pytest.fixture(scope="module")
+def reference(config, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ref") / "run"
+    assert main(["run", str(config), "--out", str(out), "--no-progress", "--threads", "1"]) == 0
+    return out
+
+
+def _interrupt_after(monkeypatch, name: str, calls: int) -> None:
+    """Raise KeyboardInterrupt (as SIGINT does) at the start of call number ``calls`` of ``loop.<name>``."""
+    original = getattr(loop, name)
+    count = {"n": 0}
+
+    def wrapped(*args, **kwargs):
+        count["n"] += 1
+        if count["n"] == calls:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(loop, name, wrapped)
+
+
+@pytest.mark.parametrize("where, name, calls", [
+    ("task boundary of the 2nd method (ewc before its task 2)", "fit_task", 3 + 2),
+    ("mid-task of the 1st method (blr, step 3 of its task 1)", "train_step", 8 + 3),
+    ("mid-task of the 4th method (vcl, 2nd task)", "train_step", 3 * 3 * 8 + 8 + 2),
+])
+def test_interrupted_then_resumed_equals_uninterrupted(config, reference, tmp_path, monkeypatch, capsys, where,
+                                                       name, calls):
+    out = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        _interrupt_after(patch, name, calls)
+        rc = main(["run", str(config), "--out", str(out), "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 130, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"continual-blr run --resume {out}" in err
+    # the interrupted folder is valid: results.json parses; finished methods complete with model/method state
+    payload = json.loads((out / "results.json").read_text())
+    complete = [m for m, p in payload["progress"].items() if p["complete"]]
+    for m in complete:
+        assert (out / m / "model.pt").is_file() and (out / m / "method.pt").is_file()
+        assert _matrices(out)[m] == _matrices(reference)[m]
+    if complete:
+        from continual_blr import load_run
+
+        assert load_run(out, method=complete[0]) is not None
+    # a second plain run into the same folder refuses instead of overwriting it
+    assert main(["run", str(config), "--out", str(out), "--no-progress"]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert main(["run", "--resume", str(out), "--no-progress"]) == 0
+    _assert_same_run(reference, out)
+
+
+def test_interrupted_twice_and_resumed_equals_uninterrupted(config, reference, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    for calls in (5, 9):  # the 2nd interrupt hits the resumed run
+        with monkeypatch.context() as patch:
+            _interrupt_after(patch, "train_step", calls)
+            args = ["run", "--resume", str(out)] if (out / "results.json").is_file() else ["run", str(config), "--out", str(out)]
+            assert main(args + ["--no-progress"]) == 130
+    capsys.readouterr()
+    assert main(["run", "--resume", str(out), "--no-progress"]) == 0
+    _assert_same_run(reference, out)
+
+
+def test_sigint_to_a_subprocess_then_resume(config, reference, tmp_path):
+    """A real SIGINT to ``continual-blr run`` once its first checkpoint exists: exit 130, one line on stderr
+    with the resume command; resuming gives the uninterrupted run's results."""
+    out = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "continual_blr.cli", "run", str(config), "--out", str(out),
+                             "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120
+    while not (out / "blr" / "checkpoint.pt").is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip("the run finished before the signal arrived")  # a very fast machine; nothing to resume
+    assert proc.returncode == 130, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert f"resume with: continual-blr run --resume {out}" in err
+    assert main(["run", "--resume", str(out), "--no-progress"]) == 0
+    _assert_same_run(reference, out)
+
+
+@pytest.mark.slow
+def test_sigterm_is_an_interrupt_too(config, tmp_path):
+    out = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "continual_blr.cli", "run", str(config), "--out", str(out),
+                             "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120
+    while not (out / "results.json").is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip("the run finished before the signal arrived")
+    assert proc.returncode == 130, err
+    assert len(err.strip().splitlines()) == 1 and "--resume" in err, err
+    json.loads((out / "results.json").read_text())  # still valid
