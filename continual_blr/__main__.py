@@ -10,6 +10,7 @@ rank ends that rank with one line on stderr and exit status 1 (torchrun then sto
 
 from __future__ import annotations
 
+import os
 import sys
 
 from . import distributed
@@ -25,11 +26,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from .cli import main as cli_main
 
-    try:
-        with distributed.fail_fast():
-            return cli_main(argv)
-    finally:
-        distributed.shutdown()
+    with distributed.fail_fast():
+        status = cli_main(argv)
+    if status != 0 and distributed.is_distributed():  # the CLI reported its one line; do not wait for peers
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    distributed.shutdown()
+    return status
 
 
 if __name__ == "__main__":

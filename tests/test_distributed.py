@@ -1,0 +1,223 @@
+"""Data parallel on torch.distributed (gloo, CPU): 2 processes = 1 process with the same global batch.
+
+The test launches this file as a worker script (``python tests/test_distributed.py worker ...``) in two
+processes with torchrun's environment variables, joins them with
+:func:`continual_blr.distributed.init_from_env`, runs the stream for several methods and saves what
+each run carried (accuracy matrix, model weights, the method's state: posterior mean and precision,
+FROMP's memory, its kernels and their Cholesky factors). The same runs in the test process (no process
+group) are the reference.
+
+Tolerances (float64 models and data): the accuracy matrices must be **equal**; every carried tensor
+must agree to rtol = 1e-7, atol = 1e-9. The only difference between the runs is the order of
+floating-point additions (a sum over a shard, then over ranks), ≈ 1e-16 relative per step, which
+~100 Adam / BLR steps amplify to ≲ 1e-12 here. For the BLR with weight samples (mc_samples = 1) the
+ranks draw the *same* sample from the optimiser's generator (its state is the same on every rank), so
+the 2-process run is compared with the 1-process run as is; the delta method (mc_samples = 0) is
+checked as well.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RTOL, ATOL = 1e-7, 1e-9
+
+# name -> (registry name, params); the settings keep the default run fast (a few seconds per method)
+CASES: dict[str, tuple[str, dict]] = {
+    "none": ("none", {}),
+    "ewc": ("ewc", {"lam": 100.0, "fisher": "mc_fisher"}),
+    "laplace_kron": ("laplace", {"structure": "kron"}),
+    "fromp": ("fromp", {"n_points": 10, "tau": 10.0}),
+    "blr_delta": ("blr", {"mc_samples": 0, "lr": 0.1}),
+    "blr_mc": ("blr", {"mc_samples": 1, "lr": 0.1}),
+    "blr_kron": ("blr", {"structure": "kron", "mc_samples": 1, "lr": 0.1, "curvature": "mc_fisher"}),
+    "blr_price": ("blr", {"curvature": "price", "init_hess": 0.1, "mc_samples": 1, "lr": 0.1}),
+}
+
+
+def run_case(name: str) -> dict:
+    """One method over the synthetic stream: what it carried, as plain tensors."""
+    from continual_blr.data.synthetic import synthetic_stream
+    from continual_blr.loop import run_stream
+    from continual_blr.methods import TrainConfig, build_method
+    from continual_blr.models import build_model
+
+    stream = synthetic_stream(n_tasks=3, n_features=6, n_train=93, n_test=61, seed=3)
+    for t in stream.tasks:  # float64 data, so that the model runs in float64
+        t.x_train, t.x_test = t.x_train.double(), t.x_test.double()
+    model = build_model("mlp", stream.input_shape, stream.n_outputs, stream.n_heads, hidden=(12,),
+                        generator=torch.Generator().manual_seed(0)).double()
+    reg_name, params = CASES[name]
+    method = build_method(reg_name, dict(params), seed=0)
+    # batch 20 over 93 examples: shards of 10/10 and a last batch of 13 split 7/6 (uneven)
+    train = TrainConfig(epochs=2, batch_size=20, lr=1e-2, eval_batch_size=25)
+    res = run_stream(model, stream, method, train, seed=0, progress=False)
+    out = {"acc": torch.tensor(res.acc_matrix), "loss": torch.tensor(res.train_loss),
+           "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+           "state": method.state_dict()}
+    if reg_name == "fromp":  # the kernels of every stored task at the final weights (identical on every rank)
+        method.regularizer.rebuild(model)
+        out["kernels"] = [{k: v for k, v in e.extras.items()} for e in method.regularizer.memory]
+    return out
+
+
+def _leaves(obj, prefix: str = ""):
+    """(path, tensor or plain value) pairs of a nested dict / list / tuple."""
+    if isinstance(obj, dict):
+        for k in sorted(obj, key=str):
+            yield from _leaves(obj[k], f"{prefix}/{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _leaves(v, f"{prefix}[{i}]")
+    else:
+        yield prefix, obj
+
+
+def _assert_same(got: dict, ref: dict, case: str) -> None:
+    assert torch.equal(got["acc"].nan_to_num(-1), ref["acc"].nan_to_num(-1)), (case, got["acc"], ref["acc"])
+    a, b = list(_leaves(got)), list(_leaves(ref))
+    assert [p for p, _ in a] == [p for p, _ in b], case
+    for (path, x), (_, y) in zip(a, b):
+        if isinstance(x, torch.Tensor):
+            if x.is_floating_point():
+                torch.testing.assert_close(x, y, rtol=RTOL, atol=ATOL, msg=lambda m: f"{case}{path}: {m}")
+            else:
+                assert torch.equal(x, y), (case, path)
+        else:
+            assert x == y or (x != x and y != y), (case, path, x, y)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(args: list[str], world: int = 2, timeout_s: float = 20.0) -> list[subprocess.Popen]:
+    """Start ``world`` worker processes with torchrun's variables (what ``torchrun`` would set)."""
+    port = _free_port()
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, WORLD_SIZE=str(world), RANK=str(r), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", CBLR_TEST_TIMEOUT=str(timeout_s))
+        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *args], env=env, cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def _wait(procs: list[subprocess.Popen], limit_s: float) -> list[tuple[int, str]]:
+    out = []
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=limit_s)
+            out.append((p.returncode, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return out
+
+
+def test_two_processes_equal_one_process(tmp_path):
+    """none / EWC (MC Fisher) / Laplace (K-FAC) / FROMP / BLR (delta, MC sample, Kronecker, Price): the
+    accuracy matrix is equal and every carried tensor agrees (tolerances in the module docstring)."""
+    procs = _launch(["worker", str(tmp_path), *CASES])
+    results = _wait(procs, limit_s=600)
+    for code, err in results:
+        assert code == 0, err[-3000:]
+    for case in CASES:
+        ref = run_case(case)
+        for r in range(2):
+            got = torch.load(tmp_path / f"{case}.rank{r}.pt", weights_only=False)
+            _assert_same(got, ref, f"{case} rank {r}")
+
+
+def test_exception_on_one_rank_ends_the_run(tmp_path):
+    """Rank 1 raises in the middle of a run: both processes end (exit 1) within a bounded time, and the
+    failing rank says why in one line (no traceback)."""
+    t0 = time.perf_counter()
+    results = _wait(_launch(["fail", str(tmp_path)], timeout_s=20.0), limit_s=120)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 90, elapsed
+    assert [code for code, _ in results] == [1, 1], results
+    err1 = results[1][1].strip().splitlines()
+    assert len(err1) == 1 and "error (rank 1 of 2)" in err1[0] and "boom on rank 1" in err1[0], err1
+    assert "Traceback" not in results[0][1] + results[1][1]
+
+
+def test_helpers_in_one_process():
+    """Without a process group the helpers are identities; shard bounds follow torch.tensor_split."""
+    from continual_blr import distributed as d
+
+    assert not d.is_distributed() and d.rank() == 0 and d.world_size() == 1
+    for n in range(0, 12):
+        for w in (1, 2, 3, 5):
+            lengths = [len(p) for p in torch.arange(n).tensor_split(w)]
+            ends = [sum(lengths[: r + 1]) for r in range(w)]
+            assert [d.shard_bounds(n, r, w) for r in range(w)] == [(e - k, e) for e, k in zip(ends, lengths)]
+    t = torch.randn(5, 3)
+    assert d.shard(t) is t and d.all_gather_cat(t) is t
+    assert d.all_reduce_float(2.5) == 2.5
+    assert d.rank_seed(7) == 7
+    assert d.init_from_env({}) is False and d.init_from_env({"WORLD_SIZE": "1"}) is False
+
+
+def test_init_from_env_rejects_bad_variables():
+    import pytest
+
+    from continual_blr import distributed as d
+
+    with pytest.raises(ValueError, match="MASTER_ADDR"):
+        d.init_from_env({"WORLD_SIZE": "2", "RANK": "0"})
+    with pytest.raises(ValueError, match="RANK=5"):
+        d.init_from_env({"WORLD_SIZE": "2", "RANK": "5", "MASTER_ADDR": "x", "MASTER_PORT": "1"})
+    with pytest.raises(ValueError, match="integers"):
+        d.init_from_env({"WORLD_SIZE": "two"})
+
+
+# ---------------------------------------------------------------------------------------- worker side
+
+
+def _worker(argv: list[str]) -> None:
+    from continual_blr import distributed
+
+    mode, out = argv[0], Path(argv[1])
+    distributed.init_from_env(timeout_s=float(os.environ.get("CBLR_TEST_TIMEOUT", "60")))
+    with distributed.fail_fast("worker"):
+        if mode == "worker":
+            for case in argv[2:]:
+                torch.save(run_case(case), out / f"{case}.rank{distributed.rank()}.pt")
+        elif mode == "fail":
+            _failing_run()
+    distributed.shutdown()
+
+
+def _failing_run() -> None:
+    """A run whose method raises on rank 1 at the end of the first task while rank 0 goes on."""
+    from continual_blr import distributed
+    from continual_blr.data.synthetic import synthetic_stream
+    from continual_blr.loop import run_stream
+    from continual_blr.methods import Method, TrainConfig
+    from continual_blr.models import build_model
+
+    class Failing(Method):
+        def on_task_end(self, model, task, optimizer=None):
+            if distributed.rank() == 1:
+                raise RuntimeError("boom on rank 1\nsecond line that must not be printed")
+
+    stream = synthetic_stream(n_tasks=3, n_features=6, n_train=60, n_test=20, seed=0)
+    model = build_model("mlp", stream.input_shape, stream.n_outputs, stream.n_heads, hidden=(8,),
+                        generator=torch.Generator().manual_seed(0))
+    run_stream(model, stream, Failing(), TrainConfig(epochs=50, batch_size=10), progress=False)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1:])
