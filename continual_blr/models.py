@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["MLP", "CifarNet", "MultiHeadNet", "build_model"]
+__all__ = ["MLP", "CifarNet", "ReducedResNet18", "MultiHeadNet", "build_model"]
 
 
 class MultiHeadNet(nn.Module):
@@ -81,9 +81,68 @@ class CifarNet(MultiHeadNet):
         super().__init__(fc, 512, n_outputs, n_heads)
 
 
+class _BasicBlock(nn.Module):
+    """ResNet basic block: y = relu(bn(conv(relu(bn(conv(x))))) + shortcut(x)), shortcut a 1×1 conv + BN
+    when the shape changes, else the identity."""
+
+    def __init__(self, in_planes: int, planes: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_planes, planes, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride=1, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.shortcut: nn.Module = nn.Sequential()
+        if stride != 1 or in_planes != planes:
+            self.shortcut = nn.Sequential(nn.Conv2d(in_planes, planes, 1, stride=stride, bias=False),
+                                          nn.BatchNorm2d(planes))
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return torch.relu(out + self.shortcut(x))
+
+
+class _ResNetBody(nn.Module):
+    def __init__(self, in_channels: int, nf: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, nf, 3, stride=1, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(nf)
+        blocks: list[nn.Module] = []
+        in_planes = nf
+        for mult, stride in ((1, 1), (2, 2), (4, 2), (8, 2)):
+            for s in (stride, 1):
+                blocks.append(_BasicBlock(in_planes, nf * mult, s))
+                in_planes = nf * mult
+        self.layers = nn.Sequential(*blocks)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.layers(torch.relu(self.bn1(self.conv1(x))))
+        return self.pool(out).flatten(1)
+
+
+class ReducedResNet18(MultiHeadNet):
+    """The reduced ResNet-18 of Lopez-Paz & Ranzato (2017), used by van de Ven (2025) on split CIFAR-10.
+
+    ResNet-18's layout (a 3×3 stem without max-pool, then 4 stages of 2 basic blocks with strides 1, 2, 2, 2)
+    with ``nf = 20`` base filters instead of 64 (widths 20, 40, 80, 160), BatchNorm, global average pooling
+    to 8·nf = 160 features, and one linear head per task. About 1.1 M parameters with 5 heads of 2.
+
+    Args:
+        in_channels: input channels (3 for CIFAR).
+        n_outputs: outputs per head.
+        n_heads: number of heads (one per task in the task-incremental protocol).
+        nf: base width (20 in the reduced network, 64 in ResNet-18).
+    """
+
+    def __init__(self, in_channels: int = 3, n_outputs: int = 10, n_heads: int = 1, nf: int = 20) -> None:
+        super().__init__(_ResNetBody(in_channels, nf), 8 * nf, n_outputs, n_heads)
+
+
 def build_model(arch: str, input_shape: tuple[int, ...], n_outputs: int, n_heads: int,
                 hidden: tuple[int, ...] = (100, 100), generator: torch.Generator | None = None) -> nn.Module:
-    """Build a network by name (``"mlp"``, ``"linear"`` or ``"cifarnet"``), initialised from ``generator``.
+    """Build a network by name (``"mlp"``, ``"linear"``, ``"cifarnet"`` or ``"reduced_resnet18"``), initialised
+    from ``generator``.
 
     ``"linear"`` is the MLP without hidden layers (``hidden`` ignored): f(x) = W_h x + b_h on the
     flattened input, one Linear head per task — Bayesian linear regression's model.
@@ -98,8 +157,10 @@ def build_model(arch: str, input_shape: tuple[int, ...], n_outputs: int, n_heads
         model: nn.Module = MLP(n_in, tuple(hidden) if arch == "mlp" else (), n_outputs, n_heads)
     elif arch == "cifarnet":
         model = CifarNet(input_shape[0], n_outputs, n_heads, image_size=input_shape[-1])
+    elif arch == "reduced_resnet18":
+        model = ReducedResNet18(input_shape[0], n_outputs, n_heads)
     else:
-        raise ValueError(f"arch: got {arch!r}; allowed: 'mlp', 'linear', 'cifarnet'")
+        raise ValueError(f"arch: got {arch!r}; allowed: 'mlp', 'linear', 'cifarnet', 'reduced_resnet18'")
     if generator is not None:
         _reinit(model, generator)
     return model
