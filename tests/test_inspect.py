@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from continual_blr.cli import main
-from continual_blr.inspect import inspect_path, loo_shift, softmax_scores
+from continual_blr.inspect import loo_shift, softmax_scores
+from continual_blr.saved_run import inspect_path
 from continual_blr.inspect.scores import prediction_covariance
 
 torch.set_num_threads(1)
@@ -212,18 +213,21 @@ class _Imgs(HTMLParser):
 
 @pytest.fixture(scope="module")
 def fromp_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fromp")
-    rc = main(["run", "--method", "fromp", "--out", str(out), "--epochs", "1", "--no-progress"])
+    """A run of ``none`` then ``fromp``: the first method stores no memory, the second does."""
+    out = tmp_path_factory.mktemp("fromp") / "run"
+    rc = main(["run", "--method", "none", "--method", "fromp", "--out", str(out), "--epochs", "1", "--no-progress"])
     assert rc == 0
     return out
 
 
 def test_report_topk_equals_fromp_memory_and_files_valid(fromp_run, tmp_path):
-    from continual_blr.inspect import load_run, stored_memory
+    from continual_blr.inspect import stored_memory
+    from continual_blr.saved_run import load_run
 
     rep = tmp_path / "rep"
     index, insp = inspect_path(fromp_run, out=rep)
-    mem = stored_memory(load_run(fromp_run))
+    assert insp.run.method_name == "fromp"  # the default is the first method with a stored memory
+    mem = stored_memory(load_run(fromp_run, "fromp"))
     assert mem, "FROMP run stored no memory"
     for s in insp.scores:
         stored = set(mem[s.task_id]["indices"].tolist())
@@ -295,3 +299,60 @@ def test_cli_inspect_bad_option_names_field_and_allowed(fromp_run, tmp_path, cap
     err = _one_line_error(capsys)
     assert field in err and allowed in err
     assert not (tmp_path / "o" / "index.html").exists()
+
+
+def test_cli_inspect_default_method_says_which_and_why(fromp_run, tmp_path, capsys):
+    rc = main(["inspect", str(fromp_run), "--task", "0", "--top", "4", "--out", str(tmp_path / "o"), "--no-progress"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "inspected fromp" in out and "--method: none, fromp" in out
+
+
+def test_report_grids_are_shown_unscaled_and_fit_the_page(fromp_run, tmp_path):
+    from continual_blr.inspect.figures import GRID_FONT_PT, GRID_MAX_PX
+
+    index, _ = inspect_path(fromp_run, out=tmp_path / "rep", tasks=[0], top=8)
+    grids = sorted((tmp_path / "rep").glob("task1_*memorable.png"))
+    assert grids
+    for g in grids:
+        width = struct.unpack(">I", g.read_bytes()[16:20])[0]  # IHDR width
+        assert 600 <= width <= GRID_MAX_PX, (g.name, width)
+    page = index.read_text()
+    assert 'class="grid"' in page and ".grid img { width: auto; max-width: 100%" in page
+    assert GRID_FONT_PT >= 8
+
+
+def _yaml(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_cli_inspect_config_must_match_its_run(fromp_run, tmp_path, capsys):
+    base = f"out: {fromp_run}\nmethods: [none, fromp]\ntrain: {{epochs: 1}}\n"
+    good = _yaml(tmp_path / "good.yaml", base)
+    rc = main(["inspect", str(good), "--task", "0", "--top", "4", "--out", str(tmp_path / "o"), "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    capsys.readouterr()
+    for name, text, field in [("seed.yaml", base + "seed: 3\n", "seed"),
+                              ("methods.yaml", base.replace("[none, fromp]", "[fromp]"), "methods"),
+                              ("stream.yaml", base + "stream: {scenario: class}\n", "stream.scenario")]:
+        rc = main(["inspect", str(_yaml(tmp_path / name, text)), "--out", str(tmp_path / "x")])
+        assert rc == 2, name
+        err = _one_line_error(capsys)
+        assert f"{field} is" in err and "not written by" in err, err
+    assert not (tmp_path / "x").exists()
+
+
+def test_cli_inspect_config_without_a_run(tmp_path, capsys):
+    cfg = _yaml(tmp_path / "c.yaml", f"out: {tmp_path / 'never'}\nmethods: [fromp]\n")
+    rc = main(["inspect", str(cfg)])
+    assert rc == 2
+    assert "has not been run" in _one_line_error(capsys)
+
+
+def test_cli_inspect_bad_device_one_line(fromp_run, tmp_path, capsys):
+    rc = main(["inspect", str(fromp_run), "--device", "gpu", "--out", str(tmp_path / "o")])
+    assert rc == 2
+    err = _one_line_error(capsys)
+    assert "--device" in err and "'cpu'" in err
+
