@@ -214,7 +214,7 @@ def _sweep_cfg(path: Path):
 def _cmd_run(args: argparse.Namespace) -> int:
     from .config import ConfigError
     from .data.paths import DataNotFoundError
-    from .runner import RunInterrupted, load_run_config, resolve_out, run_config
+    from .runner import RunInterrupted, load_run_config, run_config
 
     bad = _check_flags(args)
     if bad:
@@ -241,9 +241,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         with _threads(args.threads), _sigterm_as_interrupt():
             if seeds is not None:
                 return _run_sweep(cfg, seeds, args)
-            if args.resume is None:
-                cfg = resolve_out(cfg, overwrite=args.overwrite)
-            results = run_config(cfg, resume=args.resume is not None, tensorboard=args.tensorboard)
+            results = run_config(cfg, overwrite=args.overwrite, resume=args.resume is not None,
+                                 tensorboard=args.tensorboard)
     except RunInterrupted as stop:
         print(f"continual-blr: interrupted: {stop.summary()}; kept in {stop.out}; resume with: "
               f"continual-blr run --resume {stop.out}", file=sys.stderr)
@@ -256,7 +255,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
                     if cfg.stream.validation else "test")
     print(f"final {evaluated_on} accuracy (%) per task after the last task:")
     print(_format_table(results))
-    print(f"\nwrote {Path(cfg.out) / 'results.json'} and {Path(cfg.out) / 'accuracy_matrix.png'}")
+    out = Path(results[0].config.get("out") or ".")
+    print(f"\nwrote {out / 'results.json'}, {out / 'results.md'} and {out / 'accuracy_matrix.png'}"
+          + (" (runs/latest points here)" if cfg.out is None else ""))
     return 0
 
 

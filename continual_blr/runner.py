@@ -191,7 +191,7 @@ class _Writer:
 
     def write_results(self) -> None:
         results = [self.results[m.name] for m in self.cfg.methods if m.name in self.results]
-        payload = {"config": self.cfg.to_dict(), "quick": self.cfg.quick,
+        payload = {"config": self.cfg.to_dict(), "quick": self.cfg.quick, "threads": torch.get_num_threads(),
                    "results": [r.to_dict() for r in results],
                    "progress": {m: {"finished_tasks": k, "n_tasks": n, "complete": k == n}
                                 for m, (k, n) in self.progress.items()}}
@@ -239,27 +239,33 @@ def _restore(state: dict[str, Any]):
     return restore
 
 
-def run_config(cfg: RunConfig, save: bool = True, *, resume: bool = False, tensorboard: bool = False) -> list[StreamResult]:
-    """Run every method of ``cfg`` on its stream, keeping the run folder ``cfg.out`` current.
+def run_config(cfg: RunConfig, save: bool = True, *, overwrite: bool = False, resume: bool = False,
+               tensorboard: bool = False) -> list[StreamResult]:
+    """Run every method of ``cfg`` on its stream, keeping the run folder current.
 
-    Call :func:`resolve_out` first to apply the overwrite policy (this function writes into ``cfg.out``
-    as it is; with ``cfg.out`` None and ``save`` it resolves a new folder itself).
+    The folder is ``cfg.out`` under the overwrite policy of :func:`resolve_out` (a new time-stamped
+    folder when ``cfg.out`` is None), chosen once the stream has loaded, so bad input leaves no folder
+    behind; each result's ``config["out"]`` names it.
 
     Args:
         cfg: the run.
         save: write the run folder (False: only return the results).
+        overwrite: replace a run already in ``cfg.out`` (else it is refused).
         resume: continue the run in ``cfg.out``: finished methods are reloaded from ``results.json``, the
             unfinished one continues from its checkpoint.
         tensorboard: also write TensorBoard events (``torch.utils.tensorboard`` must import).
 
     Raises:
+        RunExistsError: ``cfg.out`` holds a run and neither ``overwrite`` nor ``resume``.
         RunInterrupted: SIGINT (KeyboardInterrupt) or SIGTERM (if the caller maps it to KeyboardInterrupt)
             stopped the run; everything finished is on disk.
     """
     check_runnable(cfg)
-    if save and cfg.out is None:
-        cfg = resolve_out(cfg)
+    if save and not resume and cfg.out is not None:
+        check_out_dir(cfg.out, overwrite=overwrite)  # before the data load: fail fast
     stream = build_stream(cfg)
+    if save and not resume:
+        cfg = resolve_out(cfg, overwrite=overwrite)
     folder = RunFolder(cfg.out if cfg.out is not None else ".")
     writer = _Writer(folder, cfg, tensorboard)
     previous = folder.read_results() if (save and resume) else None

@@ -43,48 +43,75 @@ def _one_line_error(capsys, argv, *needles):
         assert n in err, err
 
 
-def test_unknown_method(capsys):
-    _one_line_error(capsys, ["run", "--method", "nope"], "nope", "blr", "none")
+TINY = ("stream: {name: synthetic, options: {n_tasks: 2, n_train: 40}}\nmodel: {hidden: [8]}\n"
+        "train: {epochs: 1, batch_size: 20}\nmethods: [none]\n")
 
 
-def test_unknown_config_key(tmp_path, capsys):
-    p = tmp_path / "c.yaml"
-    p.write_text("train:\n  epoch: 3\n")
-    _one_line_error(capsys, ["run", str(p)], "epoch", "epochs")
+def _yaml(tmp_path, text, name="c.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
 
 
-def test_wrong_type(tmp_path, capsys):
-    p = tmp_path / "c.yaml"
-    p.write_text("train:\n  epochs: ten\n")
-    _one_line_error(capsys, ["run", str(p)], "train.epochs", "int")
+def _existing_run(tmp_path):
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "results.json").write_text("{}")
+    return str(tmp_path / "old")
 
 
-def test_missing_config_file(tmp_path, capsys):
-    _one_line_error(capsys, ["run", str(tmp_path / "absent.yaml")], "absent.yaml")
+# Every bad input of the run command: (id, argv builder given tmp_path, words the one line must hold).
+BAD_INPUT = [
+    ("unknown --method", lambda t: ["run", "--method", "nope"], ["nope", "blr", "none"]),
+    ("unknown config key", lambda t: ["run", _yaml(t, "train:\n  epoch: 3\n")], ["epoch", "epochs"]),
+    ("wrong type", lambda t: ["run", _yaml(t, "train:\n  epochs: ten\n")], ["train.epochs", "int"]),
+    ("missing config file", lambda t: ["run", str(t / "absent.yaml")], ["absent.yaml"]),
+    ("empty config file", lambda t: ["run", _yaml(t, "")], ["config file", "c.yaml", "is empty"]),
+    ("comments-only config file", lambda t: ["run", _yaml(t, "# nothing\n")], ["is empty"]),
+    ("invalid YAML", lambda t: ["run", _yaml(t, "train: [unclosed\n")], ["YAML"]),
+    ("top level not a mapping", lambda t: ["run", _yaml(t, "- a\n")], ["mapping"]),
+    ("missing data folder", lambda t: ["run", "--data-dir", str(t / "nodata")], ["nodata"]),
+    ("missing dataset files", lambda t: ["run", _yaml(t, f"stream:\n  name: split_mnist\n  data_dir: {t}\n"
+                                                        "  options: {download: false}\n")], [None]),
+    ("--device gpu", lambda t: ["run", "--device", "gpu"], ["--device", "'gpu'", "cpu, cuda, cuda:N"]),
+    ("device gpu in the config", lambda t: ["run", _yaml(t, "device: gpu\n")], ["device", "cpu, cuda, cuda:N"]),
+    ("--seed -1", lambda t: ["run", "--seed", "-1"], ["--seed", "-1", ">= 0"]),
+    ("seed -1 in the config", lambda t: ["run", _yaml(t, "seed: -1\n")], ["seed", ">= 0"]),
+    ("method parameter", lambda t: ["run", _yaml(t, "methods: [{name: none}, {name: blr, params: {lrr: 1}}]\n")],
+     ["methods[1] (blr)", "lrr", "allowed", "lr"]),
+    ("method without parameters given some", lambda t: ["run", _yaml(t, "methods: [{name: none, params: {a: 1}}]\n")],
+     ["methods[0] (none)"]),
+    ("unknown method in the config", lambda t: ["run", _yaml(t, "methods: [blr, nope]\n")], ["methods[1]", "nope"]),
+    ("--threads 0", lambda t: ["run", "--threads", "0"], ["--threads", ">= 1"]),
+    ("--threads not a number", lambda t: ["run", "--threads", "two"], ["--threads", "two"]),
+    ("--epochs 0", lambda t: ["run", "--epochs", "0"], ["--epochs", ">= 1"]),
+    ("--validation 1.5", lambda t: ["run", _yaml(t, TINY), "--validation", "1.5"], ["validation", "[0, 1)"]),
+    ("--resume on a folder without a run", lambda t: ["run", "--resume", str(t)], ["--resume", "no run"]),
+    ("--resume on a missing folder", lambda t: ["run", "--resume", str(t / "nothing")], ["--resume", "no run"]),
+    ("--resume with a config change", lambda t: ["run", "--resume", _existing_run(t), "--method", "blr"],
+     ["--resume", "--method"]),
+    ("--out on an existing run", lambda t: ["run", _yaml(t, TINY), "--out", _existing_run(t)],
+     ["--out", "already holds a run", "--overwrite", "--resume"]),
+    ("--overwrite without --out", lambda t: ["run", "--overwrite"], ["--overwrite", "--out"]),
+    ("--seeds with a duplicate", lambda t: ["run", "--seeds", "0", "1", "0"], ["--seeds", "0", "twice"]),
+    ("--seeds with a negative", lambda t: ["run", "--seeds", "0", "-2"], ["--seeds", "-2", ">= 0"]),
+    ("--seed and --seeds", lambda t: ["run", "--seed", "1", "--seeds", "0", "1"], ["--seed", "--seeds"]),
+    ("no subcommand", lambda t: [], ["command"]),
+]
 
 
-def test_missing_data_folder(tmp_path, capsys):
-    _one_line_error(capsys, ["run", "--data-dir", str(tmp_path / "nodata")], "nodata")
-
-
-def test_missing_dataset_files(tmp_path, capsys):
-    p = tmp_path / "c.yaml"
-    p.write_text(f"stream:\n  name: split_mnist\n  data_dir: {tmp_path}\n  options: {{download: false}}\n")
-    _one_line_error(capsys, ["run", str(p)], str(tmp_path))
-
-
-def test_invalid_yaml(tmp_path, capsys):
-    p = tmp_path / "c.yaml"
-    p.write_text("train: [unclosed\n")
-    _one_line_error(capsys, ["run", str(p)], "YAML")
-
-
-def test_cuda_unavailable_is_one_line(capsys):
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("CUDA present")
-    _one_line_error(capsys, ["run", "--device", "cuda", "--epochs", "1"], "cuda")
+@pytest.mark.parametrize("build, needles", [c[1:] for c in BAD_INPUT], ids=[c[0] for c in BAD_INPUT])
+def test_bad_input_is_one_line_and_exit_2(build, needles, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # a run that wrongly started would write under tmp_path/runs
+    argv = build(tmp_path)
+    rc = main(argv)
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert rc == 2, (rc, err)
+    assert len(err.splitlines()) == 1, err
+    assert "Traceback" not in err and err.startswith("continual-blr"), err
+    for n in needles:
+        assert n is None or n in err, err
+    assert not (tmp_path / "runs").exists()  # nothing was run
 
 
 def test_embedded_default_matches_its_yaml_copies():
