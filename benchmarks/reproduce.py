@@ -40,7 +40,6 @@ import json
 import math
 import os
 import re
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -162,7 +161,9 @@ def collect_records(runs_dir: Path, benchmark: str, scenario: str, quick: bool,
 
 
 def _mean_std(xs: list[float]) -> tuple[float, float]:
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+    from continual_blr.sweep import mean_std  # the one mean ± sample std of every table (continual-blr run --seeds)
+
+    return mean_std(xs)
 
 
 def report_path(results_dir: Path, benchmark: str, scenario: str, quick: bool, validation: float = 0.0) -> Path:
@@ -313,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs-dir", default=str(ROOT / "benchmarks" / "runs"))
     parser.add_argument("--configs-dir", default=str(ROOT / "configs"))
     parser.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
-    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--threads", type=int, help="torch threads, intra- and inter-op (default: torch's); 1 is often "
+                        "faster on a shared machine (docs/runs.md)")
     parser.add_argument("--only-this-command", action="store_true",
                         help="report only this command's runs (default: every stored run of the benchmark)")
     parser.add_argument("--no-keep", dest="keep", action="store_false",
@@ -325,10 +327,13 @@ def main(argv: list[str] | None = None) -> int:
         check_validation(args.validation)
     except ValueError as err:
         parser.error(f"--{err}")
-    if args.threads:
-        import torch
+    if args.threads is not None:
+        from continual_blr.runner import set_threads
 
-        torch.set_num_threads(args.threads)
+        try:
+            set_threads(args.threads)
+        except ValueError as err:
+            parser.error(str(err))
     if args.only_this_command:
         args.keep = False
     command = "python benchmarks/reproduce.py " + shown_command(sys.argv[1:] if argv is None else argv, args.data_dir)

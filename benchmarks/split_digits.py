@@ -212,10 +212,10 @@ def run_one(row: Row, scenario: str, seed: int, runs_dir: Path, force: bool = Fa
 
 
 def _ms(xs: list[float], scale: float = 100.0) -> str:
-    """``mean ± sample std`` of ``xs`` × ``scale``, one decimal."""
-    m = statistics.fmean(xs)
-    s = statistics.stdev(xs) if len(xs) > 1 else 0.0
-    return f"{scale * m:.1f} ± {scale * s:.1f}"
+    """``mean ± sample std`` of ``xs`` × ``scale``, one decimal (``continual_blr.sweep``, as ``run --seeds``)."""
+    from continual_blr.sweep import format_mean_std
+
+    return format_mean_std(xs, scale, digits=1)
 
 
 def _config_cell(row: Row) -> str:
@@ -373,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
                          "with --validation)")
     ap.add_argument("--validation", type=float, default=0.0, metavar="FRACTION",
                     help="evaluate on this held-out fraction of each task's training data instead of the test set")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads, intra- and inter-op (default 1: faster on a shared machine; docs/runs.md)")
     ap.add_argument("--force", action="store_true", help="rerun stored runs")
     ap.add_argument("--no-write", action="store_true", help="print the table only")
     args = ap.parse_args(argv)
@@ -387,7 +388,12 @@ def main(argv: list[str] | None = None) -> int:
         name = "split_digits_validation.md" if args.validation else "split_digits.md"
         args.out = str(ROOT / "benchmarks" / "results" / name)
     command = ("python benchmarks/split_digits.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
-    torch.set_num_threads(args.threads)
+    from continual_blr.runner import set_threads
+
+    try:
+        set_threads(args.threads)
+    except ValueError as err:
+        ap.error(str(err))
     t0 = time.perf_counter()
     records: Records = {}
     for row in select_rows(args.methods):

@@ -81,10 +81,9 @@ def _threads(n: int | None) -> Iterator[None]:
         return
     import torch
 
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    with contextlib.suppress(RuntimeError):  # only settable before the first inter-op parallel work
-        torch.set_num_interop_threads(n)
+    from .runner import set_threads
+
+    old = set_threads(n)
     try:
         yield
     finally:

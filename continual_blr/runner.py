@@ -39,7 +39,7 @@ from .run_folder import (
 from .run_logs import TrainingLog
 
 __all__ = ["run_config", "resolve_out", "load_results", "load_run_config", "build_stream", "check_runnable", "check_methods",
-           "format_table", "RunInterrupted", "QUICK_EPOCH_DIVISOR", "RUNS_ROOT"]
+           "format_table", "set_threads", "RunInterrupted", "QUICK_EPOCH_DIVISOR", "RUNS_ROOT"]
 
 QUICK_EPOCH_DIVISOR = 5
 RUNS_ROOT = "runs"
@@ -66,6 +66,28 @@ class RunInterrupted(Exception):
         if part:
             bits.append(f"stopped {', '.join(part)}")
         return "; ".join(bits)
+
+
+def set_threads(n: int) -> int:
+    """Use ``n`` torch threads: ``torch.set_num_threads(n)`` (intra-op: the threads one matmul or
+    convolution is split over) and, where torch still allows it (before the first inter-op parallel
+    work), ``torch.set_num_interop_threads(n)``. Returns the previous intra-op count.
+
+    Results do not depend on it on CPU up to floating-point summation order; one thread is often faster
+    when other processes share the cores (see ``docs/runs.md``).
+
+    Raises:
+        ValueError: ``n`` < 1 (one line).
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"--threads: got {n!r}; allowed: an integer >= 1")
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        torch.set_num_interop_threads(n)
+    except RuntimeError:
+        pass  # already fixed by earlier parallel work in this process; the intra-op count is what matters
+    return old
 
 
 def _train_for(cfg: RunConfig, overrides: dict[str, Any]) -> TrainConfig:
