@@ -48,6 +48,8 @@ CASES: dict[str, tuple[str, dict]] = {
 # bitwise the same reduced factors, so they agree with EACH OTHER exactly: that is what is checked.
 RANKS_ONLY: dict[str, tuple[str, dict]] = {
     "blr_kron_sampled": ("blr", {"structure": "kron", "mc_samples": 1, "lr": 0.1, "curvature": "ggn"}),
+    # IVON's pattern: a weight sample per rank (seeds base·W + rank); the reduced update is the same everywhere
+    "blr_rank_samples": ("blr", {"mc_samples": 1, "lr": 0.1, "rank_samples": True}),
 }
 
 
@@ -151,6 +153,9 @@ def test_two_processes_equal_one_process(tmp_path):
         r0, r1 = (torch.load(tmp_path / f"{case}.rank{r}.pt", weights_only=False) for r in range(2))
         for (path, x), (_, y) in zip(_leaves(r0), _leaves(r1)):
             assert (torch.equal(x.nan_to_num(-1), y.nan_to_num(-1)) if isinstance(x, torch.Tensor) else x == y), (case, path)
+    # per-rank samples do change the run (else the check above would be vacuous for rank_samples)
+    shared, own = (torch.load(tmp_path / f"{c}.rank0.pt", weights_only=False) for c in ("blr_mc", "blr_rank_samples"))
+    assert not torch.allclose(shared["weights"]["heads.0.weight"], own["weights"]["heads.0.weight"], atol=1e-6)
 
 
 def test_exception_on_one_rank_ends_the_run(tmp_path):

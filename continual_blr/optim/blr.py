@@ -79,7 +79,10 @@ and one all-reduce per weight sample adds (loss, ĝ, ĥ) over the ranks, so ĝ a
 on the global batch. Every rank draws the **same** weight sample (the optimiser's generator has the
 same state everywhere), so a data-parallel step equals one process's step up to the order of
 floating-point additions (the test suite checks this); the engine's MC Fisher draws the labels of all
-B examples on every rank for the same reason. ``curvature="gauss_newton"`` in the Kronecker structure
+B examples on every rank for the same reason. With ``rank_samples = True`` each rank draws its own
+sample instead (IVON's ``sync=True``: seeds ``base · W + rank`` derived from the run's seed), so the
+reduced ĝ, ĥ average W samples, each on b_r examples — another unbiased estimate, not one process's;
+the ranks still apply the same reduced update, so their posteriors stay identical. ``curvature="gauss_newton"`` in the Kronecker structure
 (a nearest-Kronecker fit to the per-example gradients, not a sum) is not available data-parallel.
 """
 
@@ -368,6 +371,9 @@ class BayesianLearningRule(torch.optim.Optimizer):
         self._momentum: ParamDict | None = None
         self._t = 0
         self._dp, self._dp_total, self._dp_empty = False, None, False  # per step (_begin_data_parallel)
+        #: data parallel only: each rank draws its own weight sample (IVON's per-rank seeds; see the module docstring)
+        self.rank_samples = False
+        self._rank_generator: torch.Generator | None = None
 
     def rebuild(self, model: nn.Module, prior: GaussianPosterior, init_precision: GaussianPosterior) -> None:
         """Re-initialise this optimiser in place over ``prior``'s parameters (e.g. with new heads added),
@@ -378,6 +384,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
         """
         group = self.param_groups[0]
         kron_iters = self.kron_iters
+        rank_samples, rank_generator = self.rank_samples, self._rank_generator
         BayesianLearningRule.__init__(
             self, model, prior, n_data=self.n_data, lr=group["lr"], rho=group["rho"], beta1=group["beta1"],
             mc_samples=self.mc_samples, curvature=self.curvature, init_precision=init_precision,
@@ -385,6 +392,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
             init_hess=self.init_hess,
         )
         self.kron_iters = kron_iters
+        self.rank_samples, self._rank_generator = rank_samples, rank_generator
 
     # ----- accessors ---------------------------------------------------------------------------
     def _params(self) -> dict[str, nn.Parameter]:
@@ -562,6 +570,18 @@ class BayesianLearningRule(torch.optim.Optimizer):
                 closure.x, closure.y = closure.x_global[:1], closure.y_global[:1]
                 self._dp_empty = True
 
+    def _sample_generator(self) -> torch.Generator | None:
+        """Where weight samples come from: the optimiser's generator (the same state on every rank), or with
+        ``rank_samples`` in a data-parallel run a generator of this rank's own, seeded
+        ``base · W + rank`` (:func:`continual_blr.distributed.rank_seed`) with ``base`` drawn once from the
+        optimiser's generator (so the seeds derive from the run's seed)."""
+        if not (self.rank_samples and self._dp) or self.generator is None:
+            return self.generator
+        if self._rank_generator is None:
+            base = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator, device=self.generator.device))
+            self._rank_generator = torch.Generator(device=self.generator.device).manual_seed(distributed.rank_seed(base))
+        return self._rank_generator
+
     def _scales(self, b: int) -> tuple[float, float]:
         """(N/B, b/B): the data term's scale and the penalty's weight of this rank's b examples (N/b, 1 in
         one process). B is the global batch (all-reduced once per step when the closure does not know it)."""
@@ -635,7 +655,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
                 if self.mc_samples == 0:
                     noise, theta = None, mean
                 else:
-                    noise = sampler.sample_noise(self.generator)  # type: ignore[union-attr]
+                    noise = sampler.sample_noise(self._sample_generator())  # type: ignore[union-attr]
                     theta = {k: mean[k] + noise[k] for k in self.names}
                 loss, g, h = self._estimates(closure, theta, noise, None)
                 loss = self._reduce_estimates(loss, g, h)
@@ -688,7 +708,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
                 if s_now is None:
                     noise_d, theta = None, dict(zip(names, mean))
                 else:  # θ = m + ε / √S, one draw for all parameters
-                    eps = torch.randn(sum(m.numel() for m in mean), generator=self.generator, dtype=mean[0].dtype,
+                    eps = torch.randn(sum(m.numel() for m in mean), generator=self._sample_generator(), dtype=mean[0].dtype,
                                       device=mean[0].device)
                     noise = torch._foreach_mul([e.view_as(m) for e, m in zip(eps.split([m.numel() for m in mean]), mean)],
                                                torch._foreach_rsqrt(s_now))
