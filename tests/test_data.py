@@ -390,6 +390,43 @@ def test_missing_cifar100_names_expected_files(fake_cifar_root):
         D.split_cifar10(cifar10_path=root / "missing.npz", download=False)
 
 
+def test_split_cifar10_validation_stream_and_missing_file_error(tmp_path, fake_cifar_root):
+    """The validation option holds out part of each task's training images (stratified) and drops the test
+    set; a data root without the arrays fails in one line naming <root>/cifar10/cifar10.npz."""
+    root, c10, _ = fake_cifar_root
+    base = D.make_stream("split_cifar10", data_dir=root, download=False)
+    val = D.make_stream("split_cifar10", data_dir=root, download=False, validation=0.5)
+    assert val.meta["evaluates_on"] == "validation" and (val.n_heads, val.n_outputs) == (5, 2)
+    for b, v in zip(base, val):
+        assert v.n_train + v.y_test.numel() == b.n_train and v.head == b.head == b.task_id
+        assert sorted(v.y_train.tolist() + v.y_test.tolist()) == sorted(b.y_train.tolist())
+    with pytest.raises(D.DataNotFoundError) as info:
+        D.make_stream("split_cifar10", data_dir=tmp_path / "empty", download=False)
+    msg = str(info.value)
+    assert "\n" not in msg and str(tmp_path / "empty" / "cifar10" / "cifar10.npz") in msg
+
+
+def test_split_cifar10_configs_parse_and_build():
+    """Every shipped split CIFAR-10 config (both protocols, full and CPU budget) is a valid run config whose
+    methods build; the CPU budgets say so in their path and train fewer epochs than the full protocol."""
+    import yaml
+
+    from continual_blr.config import RunConfig, from_dict
+    from continual_blr.methods import build_method
+
+    folder = Path(__file__).resolve().parent.parent / "configs" / "split_cifar10"
+    paths = sorted(folder.rglob("*.yaml"))
+    assert len(paths) >= 28
+    for path in paths:
+        cfg = from_dict(RunConfig, yaml.safe_load(path.read_text()))
+        assert cfg.stream.name == "split_cifar10" and cfg.stream.scenario == "task"
+        assert cfg.model.arch == ("reduced_resnet18" if "resnet18" in path.parts else "cifarnet")
+        assert (cfg.train.epochs == 1) == ("cpu_budget" in path.parts), path
+        assert cfg.train.batch_size == 256 and cfg.train.lr == 1e-3
+        for m in cfg.methods:
+            build_method(m.name, m.params)
+
+
 # ----------------------------------------------------------------------------- real data (opt-in)
 
 @pytest.mark.data
@@ -401,6 +438,18 @@ def test_real_mnist_sizes():
     assert torch.bincount(data.y_train).tolist()[:2] == [5923, 6742]  # published class counts
     s = D.make_stream("split_mnist", data_dir=os.environ["CONTINUAL_BLR_DATA"], download=False)
     assert sum(t.n_train for t in s) == 60000 and sum(t.y_test.numel() for t in s) == 10000
+
+
+@pytest.mark.data
+def test_real_split_cifar10_sizes():
+    root = os.environ.get("CONTINUAL_BLR_DATA")
+    if not root or not (Path(root) / "cifar10" / "cifar10.npz").is_file():
+        pytest.skip("set CONTINUAL_BLR_DATA to the folder holding cifar10/cifar10.npz")
+    s = D.make_stream("split_cifar10", data_dir=root, download=False)
+    assert [t.n_train for t in s] == [10000] * 5 and [t.y_test.numel() for t in s] == [2000] * 5
+    assert s.tasks[0].x_train.shape[1:] == (3, 32, 32)
+    mean = torch.stack([t.x_train.mean((0, 2, 3)) for t in s]).mean(0)  # published per-channel train mean
+    torch.testing.assert_close(mean, torch.tensor([0.4914, 0.4822, 0.4465]), rtol=0, atol=5e-4)
 
 
 # ----------------------------------------------------------------------------- validation streams
