@@ -267,8 +267,7 @@ def _run_sweep(cfg, seeds: list[int], args: argparse.Namespace) -> int:
     from .sweep import run_seeds, same_run
 
     if cfg.out is None:
-        names = [m.name for m in cfg.methods]
-        cfg.out = str(new_run_dir(RUNS_ROOT, cfg.stream.name, names + ["seeds"] if len(names) < 3 else names))
+        cfg.out = str(new_run_dir(RUNS_ROOT, f"{cfg.stream.name}-seeds", [m.name for m in cfg.methods]))
     out = Path(cfg.out)
     stored = _sweep_cfg(out)
     if stored is not None and args.resume is None and not same_run(stored[0].to_dict(), cfg.to_dict()):
