@@ -183,3 +183,23 @@ def test_sigterm_is_an_interrupt_too(config, tmp_path):
     assert proc.returncode == 130, err
     assert len(err.strip().splitlines()) == 1 and "--resume" in err, err
     json.loads((out / "results.json").read_text())  # still valid
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, calls", [("fit_task", 2), ("train_step", 8 + 3)], ids=["boundary", "mid-task"])
+@pytest.mark.parametrize("method", sorted(__import__("continual_blr.methods", fromlist=["METHODS"]).METHODS))
+def test_every_method_resumes_exactly(method, name, calls, tmp_path, monkeypatch, capsys):
+    """Every registered method, with its default parameters, interrupted at the start of / inside its 2nd
+    task (or an auxiliary fit near it) and resumed."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("stream: {name: synthetic, options: {n_tasks: 3, n_train: 40}}\nmodel: {hidden: [8]}\n"
+                   f"train: {{epochs: 2, batch_size: 10}}\nseed: 5\nmethods: [{method}]\n")
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    assert main(["run", str(cfg), "--out", str(ref), "--no-progress"]) == 0
+    with monkeypatch.context() as patch:
+        _interrupt_after(patch, name, calls)
+        assert main(["run", str(cfg), "--out", str(out), "--no-progress"]) == 130
+    assert main(["run", "--resume", str(out), "--no-progress"]) == 0
+    assert _matrices(ref) == _matrices(out)
+    _same(_load(ref / method / "model.pt"), _load(out / method / "model.pt"), "model")
+    _same(_load(ref / method / "method.pt"), _load(out / method / "method.pt"), "method")
