@@ -19,6 +19,14 @@ uniform random pixels (speed does not depend on the data). For 1, 4 and 9 past t
 
 and prints the ratios to plain Adam and the speed-up over the reference code (shared/ANCHORS.md:
 plain step ≈ 1.1 ms; FROMP step 0.40 / 1.9 / 3.5 s; rebuild 0.9 / 3.4 / 7.6 s).
+
+End to end (``--end-to-end``, one thread): the split-MNIST configs ``configs/split_mnist/none.yaml`` and
+``fromp.yaml`` run one after the other in the same invocation (real MNIST under ``--data-dir``; ``--quick``
+divides the epochs by 5), each timed by the process CPU time it used; the FROMP run is repeated under
+cProfile and its time split into the training steps' model passes, the penalty, the task-end work
+(diagonal GGN + memorable selection), the task-start rebuild and evaluation. Target: FROMP ≤ 1.3× none.
+
+    python benchmarks/perf_fromp.py --end-to-end --data-dir $CONTINUAL_BLR_DATA --threads 1
 """
 
 from __future__ import annotations
@@ -183,6 +191,68 @@ def report(res: dict, steps: int, n_train: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _split_mnist_config(method: str, data_dir: str | None, quick: bool, benchmark: str = "split_mnist"):
+    import yaml
+
+    from continual_blr.config import RunConfig, from_dict
+
+    cfg = from_dict(RunConfig, yaml.safe_load((ROOT / "configs" / benchmark / f"{method}.yaml").read_text()))
+    if data_dir:
+        cfg.stream.data_dir = data_dir
+    cfg.quick, cfg.progress = quick, False
+    return cfg
+
+
+# cProfile rows (function name fragments) that split the FROMP run's time; cumulative times overlap by nesting
+_PROFILE_ROWS = [
+    ("training steps (train_step, all of it)", "loop.py", "train_step"),
+    ("  FROMP penalty (forward over memorable points + solves)", "functional.py", "penalty"),
+    ("  autograd backward (minibatch + penalty)", "", "run_backward"),
+    ("  gradient clipping", "clip_grad.py", "clip_grad_norm"),
+    ("  Adam update", "adam.py", "_single_tensor_adam"),
+    ("task end (diag GGN over the task + memorable selection)", "functional.py", "on_task_end"),
+    ("task start (old predictions, kernels, Cholesky)", "functional.py", "rebuild"),
+    ("evaluation", "loop.py", "evaluate_task"),
+]
+
+
+def end_to_end(data_dir: str | None, quick: bool, benchmark: str = "split_mnist") -> str:
+    """CPU seconds of the split-MNIST ``none`` and ``fromp`` runs in this invocation, and the FROMP profile."""
+    import cProfile
+    import pstats
+
+    from continual_blr.runner import run_config
+
+    cpu: dict[str, float] = {}
+    accs: dict[str, float] = {}
+    run_config(_split_mnist_config("none", None, True, "split_digits"), save=False)  # warm-up: imports, first calls
+    for method in ("none", "fromp"):
+        cfg = _split_mnist_config(method, data_dir, quick, benchmark)
+        c0 = time.process_time()
+        (res,) = run_config(cfg, save=False)
+        cpu[method] = time.process_time() - c0
+        accs[method] = 100 * res.avg_acc
+    prof = cProfile.Profile()
+    prof.enable()
+    run_config(_split_mnist_config("fromp", data_dir, quick, benchmark), save=False)
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
+    total = sum(v[2] for v in stats.values())
+    lines = [f"# FROMP end to end on {benchmark} ({'QUICK: epochs / 5' if quick else 'full budget'})", "",
+             f"Command: `python benchmarks/perf_fromp.py --end-to-end --benchmark {benchmark}{' --quick' if quick else ''} "
+             "--data-dir $CONTINUAL_BLR_DATA --threads 1`; torch threads "
+             f"{torch.get_num_threads()}, {platform.machine()}.", "",
+             "| run | CPU (s) | × none | final avg acc (%) |", "|---|---|---|---|"]
+    for m in ("none", "fromp"):
+        lines.append(f"| {m} | {cpu[m]:.1f} | {cpu[m] / cpu['none']:.2f} | {accs[m]:.2f} |")
+    lines += ["", f"Target: FROMP ≤ 1.3× none. Profile of a second FROMP run (cProfile, {total:.1f} s of "
+              "profiled time; rows nest):", "", "| part | cumulative (s) | share |", "|---|---|---|"]
+    for label, file_part, name in _PROFILE_ROWS:
+        cum = sum(v[3] for k, v in stats.items() if name in k[2] and file_part in k[0])  # cProfile's cumtime
+        lines.append(f"| {label} | {cum:.1f} | {100 * cum / max(total, 1e-9):.0f} % |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=100, help="timed steps per setting (median)")
@@ -191,8 +261,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (the reference used 2 cores)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "perf_fromp.md"))
     ap.add_argument("--no-write", action="store_true", help="print only")
+    ap.add_argument("--end-to-end", action="store_true",
+                    help="time the split-MNIST none and fromp runs (configs/split_mnist) in this invocation")
+    ap.add_argument("--data-dir", help="data root for --end-to-end (else $CONTINUAL_BLR_DATA)")
+    ap.add_argument("--quick", action="store_true", help="--end-to-end with epochs / 5")
+    ap.add_argument("--benchmark", default="split_mnist", help="--end-to-end: the configs/ folder (split_digits: a smoke run)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.end_to_end:
+        text = end_to_end(args.data_dir, args.quick, args.benchmark)
+        print(text)
+        if not args.no_write:
+            out = ROOT / "benchmarks" / "results" / f"perf_fromp_end_to_end_{args.benchmark}{'_quick' if args.quick else ''}.md"
+            out.write_text(text)
+        return 0
     load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     res = run(args.steps, args.rebuilds, args.n_train)
     res["load"] = (load0, os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan"))
