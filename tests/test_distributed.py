@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,13 +112,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(args: list[str], world: int = 2, timeout_s: float = 20.0) -> list[subprocess.Popen]:
+def _launch(args: list[str], world: int = 2, timeout_s: float = 20.0,
+            extra_env: dict[str, str] | None = None) -> list[subprocess.Popen]:
     """Start ``world`` worker processes with torchrun's variables (what ``torchrun`` would set)."""
     port = _free_port()
     procs = []
     for r in range(world):
         env = dict(os.environ, WORLD_SIZE=str(world), RANK=str(r), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", CBLR_TEST_TIMEOUT=str(timeout_s))
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", CBLR_TEST_TIMEOUT=str(timeout_s), **(extra_env or {}))
         procs.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *args], env=env, cwd=ROOT,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
@@ -201,6 +203,99 @@ def test_init_from_env_rejects_bad_variables():
         d.init_from_env({"WORLD_SIZE": "two"})
 
 
+@pytest.mark.slow  # ≈ 50 s: Avalanche's import in three processes
+def test_avalanche_weight_prior_plugin_under_distributed_helper(tmp_path):
+    """EWC's plugin (declares supports_distributed) under Avalanche's DistributedHelper, 2 gloo processes,
+    each with its DistributedSampler part of every experience: the ranks end with the same weights and the
+    same carried Gaussian, and the last task's Fisher equals the one computed in one process on the whole
+    experience at the same weights (the task-end curvature is sharded and all-reduced; float32, rtol 1e-5)."""
+    import pytest
+
+    pytest.importorskip("avalanche")
+    home = tmp_path / "home"
+    home.mkdir()
+    procs = _launch(["avalanche", str(tmp_path), "ewc"], extra_env={"HOME": str(home), "WANDB_MODE": "disabled"})
+    for code, err in _wait(procs, limit_s=300):
+        assert code == 0, err[-3000:]
+    r0, r1 = (torch.load(tmp_path / f"avalanche.rank{r}.pt", weights_only=False) for r in range(2))
+    assert r0["supports"] and r1["supports"]
+    for (path, x), (_, y) in zip(_leaves({k: r0[k] for k in ("weights", "state")}),
+                                 _leaves({k: r1[k] for k in ("weights", "state")})):
+        assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), path
+    last = r0["state"]["regularizer"]["terms"][-1]["precision"]
+    for k, v in r0["alone"].items():
+        torch.testing.assert_close(last[k], v, rtol=1e-5, atol=1e-7)
+
+
+def test_avalanche_plugins_declare_distributed_support():
+    """Only the weight-prior plugin declares it; every other plugin says why not in its docstring."""
+    import pytest
+
+    pytest.importorskip("avalanche")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from continual_blr.integrations import avalanche as av
+    assert av.WeightPriorPlugin.supports_distributed is True
+    for cls in (av.MethodPlugin, av.VCLPlugin, av.FROMPPlugin, av.BLRPlugin):
+        assert cls.supports_distributed is False
+        assert "Not declared supports_distributed" in cls.__doc__, cls
+
+
+# ------------------------------------------------------------------------------------------- Ray sweeps
+
+SWEEP = {"stream": {"name": "split_digits"}, "model": {"hidden": [16]}, "train": {"epochs": 1, "batch_size": 32},
+         "methods": ["none", "l2"], "progress": False}
+
+
+def _sweep_twice(tmp_path, executor) -> None:
+    """2 methods × 2 seeds on split digits write the table; a second invocation reruns nothing."""
+    from continual_blr.config import RunConfig, from_dict
+    from continual_blr.sweep import run_seeds
+
+    cfg = from_dict(RunConfig, SWEEP)
+    first = run_seeds(cfg, [0, 1], tmp_path / "sw", executor=executor)
+    summary = (tmp_path / "sw" / "summary.md").read_text()
+    assert "| none | 2 |" in summary and "| l2 | 2 |" in summary
+    files = sorted((tmp_path / "sw").glob("seed-*/results.json"))
+    assert len(files) == 2
+    stamps = [f.stat().st_mtime_ns for f in files]
+    again = run_seeds(cfg, [0, 1], tmp_path / "sw", executor=executor)
+    assert [f.stat().st_mtime_ns for f in files] == stamps  # nothing rewritten: nothing rerun
+    assert [[r.to_dict() for r in per] for per in again] == [[r.to_dict() for r in per] for per in first]
+
+
+def test_sweep_without_ray_runs_locally(tmp_path, monkeypatch):
+    """Without Ray the same call runs the sweep in this process (the sequential executor)."""
+    import continual_blr.sweep_ray as sr
+    from continual_blr.sweep import sequential_executor
+
+    monkeypatch.setattr(sr, "ray_available", lambda: False)
+    assert sr.ray_executor() is sequential_executor
+    import pytest
+
+    with pytest.raises(ImportError, match="continual_blr\\[ray\\]"):
+        sr.ray_executor(require=True)
+    with pytest.raises(ValueError, match="num_cpus"):
+        sr.ray_executor(num_cpus=0)
+    _sweep_twice(tmp_path, sr.ray_executor())
+
+
+@pytest.mark.slow  # starting a local Ray takes ~10-20 s
+def test_local_ray_sweep(tmp_path):
+    """A local Ray (2 CPUs) runs each seed's run as a task; the second invocation reruns nothing."""
+    import pytest
+
+    ray = pytest.importorskip("ray")
+    from continual_blr.sweep_ray import ray_executor
+
+    try:
+        _sweep_twice(tmp_path, ray_executor(num_cpus=1, init_kwargs={"num_cpus": 2}, require=True))
+    finally:
+        ray.shutdown()
+
+
 # ---------------------------------------------------------------------------------------- worker side
 
 
@@ -208,6 +303,9 @@ def _worker(argv: list[str]) -> None:
     from continual_blr import distributed
 
     mode, out = argv[0], Path(argv[1])
+    if mode == "avalanche":
+        _avalanche_run(out, argv[2])
+        return
     distributed.init_from_env(timeout_s=float(os.environ.get("CBLR_TEST_TIMEOUT", "60")))
     with distributed.fail_fast("worker"):
         if mode == "worker":
@@ -235,6 +333,46 @@ def _failing_run() -> None:
     model = build_model("mlp", stream.input_shape, stream.n_outputs, stream.n_heads, hidden=(8,),
                         generator=torch.Generator().manual_seed(0))
     run_stream(model, stream, Failing(), TrainConfig(epochs=50, batch_size=10), progress=False)
+
+
+def _avalanche_run(out: Path, name: str) -> None:
+    """A plugin under Avalanche's DistributedHelper (gloo, a DistributedSampler per rank); saves
+    the weights, the carried Gaussian and the last task's curvature recomputed in this process alone."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    from avalanche.distributed import DistributedHelper
+    from avalanche.models import MTSimpleMLP
+    from avalanche.training import Naive
+    from avalanche.training.plugins import EvaluationPlugin
+
+    from continual_blr import distributed
+    from continual_blr.curvature import curvature
+    from continual_blr.data.synthetic import synthetic_stream
+    from continual_blr.integrations import avalanche as av
+
+    DistributedHelper.init_distributed(random_seed=0, backend="gloo", use_cuda=False)
+    with distributed.fail_fast("avalanche worker"):
+        stream = synthetic_stream(n_tasks=2, n_features=10, n_train=120, n_test=40, seed=0)
+        benchmark = av.stream_to_benchmark(stream)
+        torch.manual_seed(0)
+        model = MTSimpleMLP(input_size=10, hidden_size=16)  # not wrapped: the plugin all-reduces the gradient
+        plugin = av.WeightPriorPlugin(name, {"lam": 10.0} if name == "ewc" else {}, seed=0)
+        strategy = Naive(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.01), train_mb_size=20,
+                         train_epochs=2, plugins=[plugin], evaluator=EvaluationPlugin(loggers=[]))
+        for exp in benchmark.train_stream:
+            strategy.train(exp, num_workers=0)
+        task = av.task_from_experience(exp)
+        view = plugin.view
+        reg = plugin.method.regularizer
+        alone = curvature(view, task.x_train, task.y_train, kind="ggn", structure="diag", head=task.head,
+                          param_names=reg.names(view), shard=False)
+        torch.save({"weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                    "state": plugin.method.state_dict(),
+                    "alone": {k: v / task.n_train for k, v in alone.items()},
+                    "supports": bool(getattr(plugin, "supports_distributed", False))},
+                   out / f"avalanche.rank{distributed.rank()}.pt")
+    distributed.shutdown()
 
 
 if __name__ == "__main__":

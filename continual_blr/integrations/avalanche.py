@@ -306,6 +306,9 @@ def _overrides(method: Method, hook: str) -> bool:
 class MethodPlugin(SupervisedPlugin):
     """Any registered continual_blr method as an Avalanche plugin (see the module docstring).
 
+    Not declared supports_distributed: whether a method is correct under Avalanche's ``DistributedHelper``
+    depends on the method; the family plugins declare it where it holds (:class:`WeightPriorPlugin`).
+
     Args:
         method: a registered method name (``continual_blr.methods.METHODS``) or a ``Method`` instance.
         params: the method's parameters when ``method`` is a name (validated by ``build_method``).
@@ -380,9 +383,14 @@ class MethodPlugin(SupervisedPlugin):
 
     # ----- helpers ---------------------------------------------------------------------------
     def _view(self, strategy: Any) -> nn.Module:
-        if self.view is None or self._wrapped is not strategy.model:
-            self._wrapped = strategy.model
-            self.view = library_model(strategy.model)
+        model = strategy.model
+        # DistributedHelper.wrap_model: the library works on the module inside DistributedDataParallel (the
+        # same Parameter objects, so DDP still averages their gradients; torch.func cannot trace DDP's forward)
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        if self.view is None or self._wrapped is not model:
+            self._wrapped = model
+            self.view = library_model(model)
         return self.view
 
     def _make_train_config(self, strategy: Any) -> TrainConfig:
@@ -407,7 +415,8 @@ class MethodPlugin(SupervisedPlugin):
             same_classes = all(c == per_exp[0] for c in per_exp)
         except (AttributeError, KeyError, TypeError):
             same_classes = False
-        multi = is_multi_task_module(strategy.model)
+        model = strategy.model
+        multi = is_multi_task_module(model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model)
         scenario = self.scenario or ("task" if multi else "domain" if same_classes else "class")
         return TaskStream(
             name="avalanche",
@@ -472,6 +481,22 @@ class MethodPlugin(SupervisedPlugin):
         start = _join(optimizer.posterior(), _restrict(fresh_opt.posterior(), new))
         optimizer.rebuild(view, prior, start)
 
+    @staticmethod
+    def _all_reduce_gradients(strategy: Any) -> None:
+        """Under a process group (Avalanche's ``DistributedHelper``; each rank holds its own minibatch of b_r
+        examples): the gradient becomes Σ_r (b_r / Σ b) ∇L_r, the gradient of the mean loss over all ranks'
+        examples, with one all-reduce (``continual_blr.distributed``). Do not also wrap the model in
+        ``DistributedDataParallel``: a penalty on the parameters outside its forward breaks DDP's reducer."""
+        from .. import distributed
+
+        if not distributed.is_distributed():
+            return
+        b = int(strategy.mb_y.shape[0])
+        total = distributed.all_reduce_float(b, "batch size")
+        grads = [p.grad for p in strategy.model.parameters() if p.grad is not None]
+        torch._foreach_mul_(grads, b / total)
+        distributed.all_reduce_sum_(grads, "gradient")
+
     # ----- training hooks ----------------------------------------------------------------------
     def before_training_exp(self, strategy: Any, **kwargs: Any) -> None:
         view = self._view(strategy)
@@ -505,6 +530,8 @@ class MethodPlugin(SupervisedPlugin):
             strategy.loss = strategy.loss + self.method.regularizer.penalty(view, batch, task)
 
     def after_backward(self, strategy: Any, **kwargs: Any) -> None:
+        if not self._own_optimizer:
+            self._all_reduce_gradients(strategy)
         clip = self._train.grad_clip if self._train is not None else None
         if clip is not None and not self._own_optimizer:
             nn.utils.clip_grad_norm_(strategy.model.parameters(), clip)
@@ -553,16 +580,30 @@ class MethodPlugin(SupervisedPlugin):
             strategy.mb_output = out
 
 
-class WeightPriorPlugin(MethodPlugin):
+class WeightPriorPlugin(MethodPlugin, supports_distributed=True):
     """Weight-space Gaussian prior ½(θ−m)ᵀS(θ−m) from the previous task(s): EWC, Laplace (diag / Kronecker),
-    online Laplace, L2. The regulariser's posterior is refreshed in ``after_training_exp``."""
+    online Laplace, L2. The regulariser's posterior is refreshed in ``after_training_exp``.
+
+    Declares ``supports_distributed`` (Avalanche's ``DistributedHelper``; leave the model unwrapped, no
+    ``wrap_model``): the penalty depends only on the weights and the carried Gaussian, which are the same on
+    every rank, so after each rank's backward one all-reduce weighted by the ranks' minibatch sizes gives
+    the data-parallel gradient (``MethodPlugin._all_reduce_gradients``); the task-end curvature is computed
+    on each rank's part of the experience and all-reduced (``continual_blr.curvature``), so every rank
+    carries the same, exact Gaussian (``tests/test_distributed.py``).
+    """
 
     family = ("ewc", "laplace", "online", "l2")
     default_method = "ewc"
 
 
 class VCLPlugin(MethodPlugin):
-    """Variational continual learning: KL to the previous task's variational posterior."""
+    """Variational continual learning: KL to the previous task's variational posterior.
+
+    Not declared supports_distributed: its coreset and maximum-likelihood fits train auxiliary models on
+    data Avalanche shards per rank, and the Monte-Carlo predictions draw from the method's generator a
+    number of times that depends on each rank's evaluation part, so the ranks' generators drift apart;
+    not verified under ``DistributedHelper``.
+    """
 
     family = ("vcl",)
     default_method = "vcl"
@@ -571,7 +612,13 @@ class VCLPlugin(MethodPlugin):
 class FROMPPlugin(MethodPlugin):
     """Functional regularisation on memorable past (FROMP) and its ablations (FRORP: random memory;
     FROMP-L2: no kernel). Memories, old predictions and kernels are refreshed at the task boundaries
-    exactly as the library's regulariser does it."""
+    exactly as the library's regulariser does it.
+
+    Not declared supports_distributed: the penalty runs a second forward pass (through the memorable points)
+    per step, which a ``DistributedDataParallel``-wrapped model does not expect within one backward; the
+    library's own loop (``torchrun -m continual_blr run``) is the data-parallel path for FROMP, with the
+    memorability scores gathered and the kernels identical on every rank.
+    """
 
     family = ("fromp", "frorp")
     default_method = "fromp"
@@ -579,7 +626,12 @@ class FROMPPlugin(MethodPlugin):
 
 class BLRPlugin(MethodPlugin):
     """A Bayesian-learning-rule optimiser whose prior is the previous posterior (VOGN, Kronecker BLR,
-    VON, IVON). It trains with its own optimiser; pass the strategy any optimiser (it is not used)."""
+    VON, IVON). It trains with its own optimiser; pass the strategy any optimiser (it is not used).
+
+    Not declared supports_distributed: its step all-reduces ĝ and ĥ itself, but Avalanche still runs (and,
+    under DDP, all-reduces) the strategy's own backward every iteration, and Monte-Carlo predictions in
+    evaluation advance the ranks' generators differently; use the library's loop under torchrun.
+    """
 
     family = ("blr", "ivon", "von", "vogn")
     default_method = "blr"
