@@ -258,11 +258,9 @@ def _sweep_twice(tmp_path, executor) -> None:
     first = run_seeds(cfg, [0, 1], tmp_path / "sw", executor=executor)
     summary = (tmp_path / "sw" / "summary.md").read_text()
     assert "| none | 2 |" in summary and "| l2 | 2 |" in summary
-    files = sorted((tmp_path / "sw").glob("seed-*/results.json"))
-    assert len(files) == 2
-    stamps = [f.stat().st_mtime_ns for f in files]
+    assert len(list((tmp_path / "sw").glob("seed-*/results.json"))) == 2
     again = run_seeds(cfg, [0, 1], tmp_path / "sw", executor=executor)
-    assert [f.stat().st_mtime_ns for f in files] == stamps  # nothing rewritten: nothing rerun
+    # reloaded, not retrained: a rerun would measure other task wall times (task_times is in to_dict)
     assert [[r.to_dict() for r in per] for per in again] == [[r.to_dict() for r in per] for per in first]
 
 
