@@ -641,3 +641,54 @@ def test_reduced_resnet18_diag_and_full_ggn_equal_brute_force():
     close(flatten(diag), torch.diagonal(dense))
     assert all(m.training for m in model.modules())
     assert model(x, head=0).shape == (5, 3)
+
+
+# ------------------------------------------------------------------------------- Gram compression
+
+
+@pytest.mark.parametrize("k", [2, 3, 10])
+def test_gram_factor_keeps_the_gram_with_k_minus_one_softmax_cotangents(k):
+    from continual_blr.curvature.jacobians import gram_factor
+    from continual_blr.curvature.likelihoods import hessian_sqrt
+
+    f = 3 * torch.randn(7, k, generator=torch.Generator().manual_seed(k), dtype=torch.float64)
+    v = hessian_sqrt(f, "classification")  # [B, K, K], Σ_c v_c v_cᵀ = Λ = diag(p) − ppᵀ
+    w = gram_factor(v)
+    assert w.shape == (7, k - 1, k)
+    p = f.softmax(-1)
+    close(w.transpose(1, 2) @ w, torch.diag_embed(p) - p.unsqueeze(2) * p.unsqueeze(1))
+    thin = torch.randn(4, 2, 5, dtype=torch.float64)  # fewer cotangents than outputs: unchanged
+    assert gram_factor(thin) is thin
+
+
+@pytest.mark.parametrize("n_out", [2, 10])
+def test_gram_only_passes_give_the_same_diag_kron_and_full_ggn(n_out):
+    from contextlib import closing
+
+    from continual_blr.curvature import likelihoods as lk
+    from continual_blr.curvature.estimates import diag_curvature, full_curvature, kron_curvature
+    from continual_blr.curvature.jacobians import passes
+
+    g = torch.Generator().manual_seed(n_out)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, n_out)).double()
+    x = torch.randn(6, 2, 6, 6, generator=g, dtype=torch.float64)
+    sel = params_of(model)
+
+    def cot(f, yc, sl, st):
+        return lk.hessian_sqrt(f, "classification")
+
+    for reducer in (diag_curvature, full_curvature, kron_curvature):
+        out = []
+        for gram_only in (False, True):
+            with closing(passes(model, x, None, sel, cot, head=None, chunk_size=4, gram_only=gram_only)) as run:
+                out.append(reducer(run, sel))
+        a, b = out
+        if reducer is diag_curvature:
+            close(flatten(b), flatten(a))
+            close(flatten(b), torch.diagonal(O.ggn(model, x)))  # and the brute force
+        elif reducer is full_curvature:
+            close(b, a)
+        else:
+            for ba, bb in zip(a.blocks, b.blocks):
+                close(bb.A, ba.A)
+                close(bb.G, ba.G)

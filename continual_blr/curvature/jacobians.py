@@ -27,7 +27,7 @@ from ._engine import (
 )
 
 __all__ = ["per_example_jacobians", "per_example_grads", "output_jacobian_cotangents", "select", "passes",
-           "pass_rows"]
+           "pass_rows", "gram_factor"]
 
 
 def select(model: nn.Module, param_names: list[str] | None) -> ParamDict:
@@ -55,6 +55,36 @@ def output_jacobian_cotangents(output_fn: Callable[[Tensor], Tensor] | None) -> 
     return rows
 
 
+def gram_factor(v: Tensor, rtol: float | None = None) -> Tensor:
+    """Fewest cotangents with the same Gram matrix: W [B, C', K] with Σ_c w_c w_cᵀ = Σ_c v_c v_cᵀ per example.
+
+    .. math:: M_b = V_bᵀ V_b = Q_b \\operatorname{diag}(λ_b) Q_bᵀ, \\quad W_b = \\operatorname{diag}(\\sqrt{λ_b})\\, Q_bᵀ
+              \\text{ restricted to the } C' \\text{ largest eigenvalues},
+
+    C' = the largest numerical rank in the chunk (eigenvalues above ``rtol · max λ_b``, default
+    ``K · eps`` of the dtype: dropped directions carry only rounding error, so every Gram-based estimate
+    Σ_c J_bᵀ w_c w_cᵀ J_b — GGN diag, K-FAC's G, full — is unchanged to rounding). For the softmax
+    cotangents Λ^{1/2} (rank K − 1: Λ𝟙 = 0) this is K − 1 passes instead of K: one instead of two for a
+    2-way head. Per-example Jacobian rows and gradients need the cotangents themselves, not this.
+
+    Args:
+        v: cotangents [B, C, K].
+        rtol: relative eigenvalue threshold.
+
+    Returns:
+        [B, C', K] with C' ≤ min(C, K) (at least 1).
+    """
+    b, c, k = v.shape
+    if k > c:  # rank ≤ C already
+        return v
+    m = v.transpose(1, 2) @ v  # [B, K, K] = Σ_c v_c v_cᵀ
+    lam, q = torch.linalg.eigh(m)  # ascending
+    tol = (k * torch.finfo(v.dtype).eps if rtol is None else rtol) * lam[:, -1:].clamp_min(0)
+    keep = max(1, int((lam > tol).sum(1).max()))
+    lam, q = lam[:, -keep:].clamp_min(0), q[:, :, -keep:]
+    return (q * lam.sqrt().unsqueeze(1)).transpose(1, 2).contiguous()  # [B, C', K]
+
+
 def passes(
     model: nn.Module,
     x: Tensor | Iterable,
@@ -66,6 +96,7 @@ def passes(
     chunk_size: int | None,
     per_batch: Callable[[int, Tensor | None], object] | None = None,
     dense: int = 0,
+    gram_only: bool = False,
 ) -> Iterator[tuple[Pass, Tensor | None]]:
     """Run :func:`backprop` chunk by chunk over the data, on the model's device and dtype.
 
@@ -73,6 +104,10 @@ def passes(
     draw per-batch state (e.g. MC noise) so that results do not depend on the chunking. The model is
     in eval mode for the whole iteration (restored when the generator finishes or is closed —
     consume it inside ``contextlib.closing`` so that an error in the consumer restores it at once).
+
+    ``gram_only=True`` tells the engine that the consumer uses only Σ_c u_{b,c} u_{b,c}ᵀ (GGN / Fisher in
+    diag, kron or full structure): the cotangents are then compressed by :func:`gram_factor` (K − 1 passes
+    for the softmax GGN instead of K). The passes' per-cotangent vectors are then not the caller's.
     """
     device, dtype = model_device_dtype(model)
     kw = model_kwargs(model, head)
@@ -89,7 +124,13 @@ def passes(
             for start in range(0, n, chunk_size):
                 sl = slice(start, min(start + chunk_size, n))
                 yc = yb[sl] if yb is not None else None
-                p = backprop(model, selected, layers, xb[sl], lambda f: cotangents(f, yc, sl, state), kw)
+                if gram_only:
+                    def cot(f: Tensor, yc=yc, sl=sl) -> Tensor:
+                        return gram_factor(cotangents(f, yc, sl, state))
+                else:
+                    def cot(f: Tensor, yc=yc, sl=sl) -> Tensor:
+                        return cotangents(f, yc, sl, state)
+                p = backprop(model, selected, layers, xb[sl], cot, kw)
                 yield p, yc
                 del p  # the consumer is done with this chunk: free it before the next pass
 
