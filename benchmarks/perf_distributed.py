@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import subprocess
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STEP_KINDS = ("gradient", "blr step", "batch size")
 
 
-def _worker(method_name: str, epochs: int, data_dir: str | None, max_per_task: int | None) -> None:
+def _worker(method_name: str, epochs: int, data_dir: str | None, max_per_task: int | None, dtype: str) -> None:
     import torch
     import yaml
 
@@ -41,8 +42,11 @@ def _worker(method_name: str, epochs: int, data_dir: str | None, max_per_task: i
     cfg = yaml.safe_load((ROOT / "configs" / "split_mnist" / f"{method_name}.yaml").read_text())
     kw = {"max_per_task": max_per_task} if max_per_task else {}
     stream = make_stream("split_mnist", data_dir=data_dir, seed=0, download=False, **kw)
+    dt = getattr(torch, dtype)
+    for t in stream.tasks:
+        t.x_train, t.x_test = t.x_train.to(dt), t.x_test.to(dt)
     model = build_model("mlp", stream.input_shape, stream.n_outputs, stream.n_heads,
-                        hidden=tuple(cfg["model"]["hidden"]), generator=torch.Generator().manual_seed(0))
+                        hidden=tuple(cfg["model"]["hidden"]), generator=torch.Generator().manual_seed(0)).to(dt)
     spec = cfg["methods"][0]
     method = build_method(spec["name"], spec.get("params", {}), seed=0)
     train = TrainConfig(**{**cfg["train"], "epochs": epochs})
@@ -53,7 +57,8 @@ def _worker(method_name: str, epochs: int, data_dir: str | None, max_per_task: i
         res = run_stream(model, stream, method, train, seed=0, progress=False)
     wall = time.perf_counter() - t0
     if distributed.is_main_process():
-        print(json.dumps({"wall_s": wall, "steps": steps, "avg_acc": res.avg_acc,
+        weights = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+        print(json.dumps({"wall_s": wall, "steps": steps, "avg_acc": res.avg_acc, "weights": weights.tolist(),
                           "bytes": distributed.TRAFFIC.bytes, "calls": distributed.TRAFFIC.calls}))
     distributed.shutdown()
 
@@ -70,7 +75,7 @@ def _run(method: str, world: int, args: argparse.Namespace) -> dict:
     for r in range(world):
         env = dict(os.environ, WORLD_SIZE=str(world), RANK=str(r), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        cmd = [sys.executable, __file__, "--worker", method, "--epochs", str(args.epochs)]
+        cmd = [sys.executable, __file__, "--worker", method, "--epochs", str(args.epochs), "--dtype", args.dtype]
         if args.data_dir:
             cmd += ["--data-dir", args.data_dir]
         if args.max_per_task:
@@ -91,22 +96,30 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--max-per-task", type=int, default=None)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float64"],
+                    help="model and data precision (float64: 1 and W processes agree to round-off)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        _worker(args.worker, args.epochs, args.data_dir, args.max_per_task)
+        _worker(args.worker, args.epochs, args.data_dir, args.max_per_task, args.dtype)
         return
+    print(f"{args.dtype}; the last column: ‖θ_W − θ_1‖ / ‖θ_1‖ of the final weights against the 1-process run")
     print("| method | processes | wall time (s) | steps | bytes / step / process | all-reduces / step "
-          "| bytes / task / process (curvature, scores, evaluation) | avg. acc. |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| bytes / task / process (curvature, scores, evaluation) | avg. acc. | weights vs 1 process |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for m in args.methods:
+        ref = None
         for w in args.procs:
             r = _run(m, w, args)
+            theta = r.pop("weights")
+            if ref is None:
+                ref = theta
+            diff = math.sqrt(sum((a - b) ** 2 for a, b in zip(theta, ref))) / max(math.sqrt(sum(a * a for a in ref)), 1e-300)
             step_b = sum(v for k, v in r["bytes"].items() if k in STEP_KINDS)
             step_c = sum(v for k, v in r["calls"].items() if k in STEP_KINDS)
             task_b = sum(v for k, v in r["bytes"].items() if k not in STEP_KINDS)
             print(f"| {m} | {w} | {r['wall_s']:.1f} | {r['steps']} | {step_b / r['steps']:,.0f} | "
-                  f"{step_c / r['steps']:.2f} | {task_b / 5:,.0f} | {100 * r['avg_acc']:.2f} |", flush=True)
+                  f"{step_c / r['steps']:.2f} | {task_b / 5:,.0f} | {100 * r['avg_acc']:.2f} | {diff:.1e} |", flush=True)
 
 
 if __name__ == "__main__":
