@@ -246,6 +246,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"continual-blr: interrupted: {stop.summary()}; kept in {stop.out}; resume with: "
               f"continual-blr run --resume {stop.out}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except KeyboardInterrupt:  # before the run folder existed (loading data, building methods)
+        print("continual-blr: interrupted before any task finished; nothing was written", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (ConfigError, DataNotFoundError, FileNotFoundError, ValueError, TypeError) as err:
         return _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
     label = " [QUICK MODE: epochs / 5]" if cfg.quick else ""
@@ -285,6 +288,10 @@ def _run_sweep(cfg, seeds: list[int], args: argparse.Namespace) -> int:
     except RunInterrupted as stop:
         print(f"continual-blr: interrupted: seed {Path(stop.out).name.removeprefix('seed-')}: {stop.summary()}; "
               f"finished seeds kept in {out}; resume with: continual-blr run --resume {out}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:  # between seeds, or while a seed's data loaded
+        print(f"continual-blr: interrupted; finished seeds kept in {out}; resume with: continual-blr run --resume {out}",
+              file=sys.stderr)
         return EXIT_INTERRUPTED
     print((out / "summary.md").read_text() if (out / "summary.md").is_file() else "")
     print(f"wrote {out / 'summary.md'} and {len(results)} seed folders {out}/seed-<s>/")
