@@ -78,3 +78,30 @@ def test_cli_seeds_prints_and_writes_the_summary(tmp_path, capsys):
     # a folder of seeds resumes as one run folder does
     assert main(["run", "--resume", str(out), "--no-progress"]) == 0
     assert (out / "summary.md").read_text() == summary
+
+
+def test_interrupted_sweep_resumes_to_the_same_summary(tmp_path, monkeypatch, capsys):
+    import yaml
+
+    import continual_blr.loop as loop
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({k: v for k, v in TINY.items() if k != "progress"}))
+    ref, out = tmp_path / "ref", tmp_path / "sw"
+    assert main(["run", str(cfg), "--seeds", "0", "1", "--out", str(ref), "--no-progress"]) == 0
+    original, count = loop.fit_task, {"n": 0}
+
+    def stop_in_seed_1(*args, **kwargs):  # seed 0 trains 2 methods × 2 tasks; stop seed 1's 2nd task
+        count["n"] += 1
+        if count["n"] == 6:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loop, "fit_task", stop_in_seed_1)
+        assert main(["run", str(cfg), "--seeds", "0", "1", "--out", str(out), "--no-progress"]) == 130
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"continual-blr run --resume {out}" in err and "seed 1" in err, err
+    assert main(["run", "--resume", str(out), "--no-progress"]) == 0
+    strip_time = lambda text: [line.rsplit("|", 2)[0] for line in text.splitlines()]  # noqa: E731 - wall time differs
+    assert strip_time((out / "summary.md").read_text()) == strip_time((ref / "summary.md").read_text())
