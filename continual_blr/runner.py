@@ -293,17 +293,17 @@ def run_config(cfg: RunConfig, save: bool = True, *, overwrite: bool = False, re
     previous = folder.read_results() if (save and resume) else None
     if previous is not None:
         done = previous.get("progress", {})
-        for d in previous.get("results", []):
-            if done.get(d["method"], {}).get("complete"):
-                writer.results[d["method"]] = StreamResult.from_dict(d)
-                writer.progress[d["method"]] = (len(stream.tasks), len(stream.tasks))
+        for d in previous.get("results", []):  # finished methods, and the interrupted one's finished tasks
+            writer.results[d["method"]] = StreamResult.from_dict(d)
+            info = done.get(d["method"], {})
+            writer.progress[d["method"]] = (int(info.get("finished_tasks", 0)), len(stream.tasks))
     n_tasks = len(stream.tasks)
     if save:
         writer.write_results()
     try:
         for mc in cfg.methods:
-            if mc.name in writer.results and (folder.path / mc.name / "model.pt").is_file():
-                continue
+            if writer.progress.get(mc.name, (0, n_tasks))[0] == n_tasks and (folder.path / mc.name / "model.pt").is_file():
+                continue  # finished before: reloaded from results.json
             method = build_method(mc.name, mc.params, seed=cfg.seed)
             train = _train_for(cfg, mc.train)
             model = build_model(cfg.model.arch, stream.input_shape, stream.n_outputs, stream.n_heads,
