@@ -50,7 +50,7 @@ CASES: dict[str, tuple[str, dict]] = {
 RANKS_ONLY: dict[str, tuple[str, dict]] = {
     "blr_kron_sampled": ("blr", {"structure": "kron", "mc_samples": 1, "lr": 0.1, "curvature": "ggn"}),
     # IVON's pattern: a weight sample per rank (seeds base·W + rank); the reduced update is the same everywhere
-    "blr_rank_samples": ("blr", {"mc_samples": 1, "lr": 0.1, "rank_samples": True}),
+    "blr_rank_samples": ("blr", {"mc_samples": 1, "lr": 0.1}),  # + optimizer.rank_samples = True (run_case)
 }
 
 
@@ -68,6 +68,14 @@ def run_case(name: str) -> dict:
                         generator=torch.Generator().manual_seed(0)).double()
     reg_name, params = {**CASES, **RANKS_ONLY}[name]
     method = build_method(reg_name, dict(params), seed=0)
+    if name == "blr_rank_samples":  # the optimiser's switch (not a BLRParams field yet)
+        setup = method.setup
+
+        def setup_rank_samples(*args):
+            setup(*args)
+            method.optimizer.rank_samples = True
+
+        method.setup = setup_rank_samples
     # batch 20 over 93 examples: shards of 10/10 and a last batch of 13 split 7/6 (uneven)
     train = TrainConfig(epochs=2, batch_size=20, lr=1e-2, eval_batch_size=25)
     res = run_stream(model, stream, method, train, seed=0, progress=False)

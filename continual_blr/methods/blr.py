@@ -46,9 +46,6 @@ class BLRParams:
             Kronecker term is a Kronecker term.
         clip_radius: elementwise bound r on the preconditioned step (None: no bound); see
             :mod:`continual_blr.optim.blr`.
-        rank_samples: data-parallel runs only: each rank draws its own weight sample (IVON's per-rank
-            seeds, derived from the run's seed), so a step averages W samples; False (default): every rank
-            draws the same sample and the run equals one process's (``docs/distributed.md``).
         curvature: ĥ of the step (named as in :mod:`continual_blr.optim.blr`): ``"ggn"`` (the exact
             Gauss–Newton JᵀΛJ), ``"price"`` (IVON's reparameterisation estimate from the same backward
             pass; diag only), ``"empirical_fisher"`` (VOGN's squared per-example gradients), ``"mc_fisher"``,
@@ -78,7 +75,6 @@ class BLRParams:
     precision_debias: bool = True
     damping: float = 0.0
     init_hess: float | None = None
-    rank_samples: bool = False
 
     def __post_init__(self) -> None:
         s = parse_enum(Structure, self.structure, "params.structure")
@@ -135,7 +131,6 @@ class BLRMethod(Method):
             curvature=p.curvature, init_precision=init, generator=self.generator, clip_radius=p.clip_radius,
             debias=p.precision_debias, damping=p.damping, init_hess=p.init_hess,
         )
-        self.optimizer.rank_samples = p.rank_samples
 
     def make_optimizer(self, model: nn.Module, task: Task, train: TrainConfig) -> torch.optim.Optimizer:
         assert self.optimizer is not None, "setup() must run first"
