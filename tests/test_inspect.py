@@ -356,3 +356,12 @@ def test_cli_inspect_bad_device_one_line(fromp_run, tmp_path, capsys):
     err = _one_line_error(capsys)
     assert "--device" in err and "'cpu'" in err
 
+
+
+def test_cli_inspect_shows_progress(fromp_run, tmp_path, capsys):
+    rc = main(["inspect", str(fromp_run), "--task", "1", "--top", "4", "--out", str(tmp_path / "o")])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "inspect fromp" in err and "report" in err  # the tqdm bars of the scores and of the figures
+    rc = main(["inspect", str(fromp_run), "--task", "1", "--top", "4", "--out", str(tmp_path / "p"), "--no-progress"])
+    assert rc == 0 and "inspect fromp" not in capsys.readouterr().err
