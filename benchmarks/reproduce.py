@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Published numbers (final average test accuracy, %), from shared/ANCHORS.md: (value, source).
+# Published numbers (final average test accuracy, %), from docs/anchors.md: (value, source).
 REFERENCES: dict[tuple[str, str, str], tuple[float, str]] = {
     ("split_mnist", "task", "fromp"): (99.3, "FROMP paper / reference code README"),
     ("split_mnist", "task", "frorp"): (99.07, "reference code run here (FRORP)"),

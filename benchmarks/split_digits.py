@@ -355,11 +355,6 @@ def report(records: Records, seeds: list[int], wall: float, command: str, thread
     return "\n".join(lines) + "\n"
 
 
-def _needs_ivon(row: Row) -> bool:
-    """Whether the row's method needs the optional ``ivon`` package."""
-    return method_config(row).name == "ivon"
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the selected rows × scenarios × seeds, print the table and (unless ``--no-write``) write it."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -397,9 +392,6 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     records: Records = {}
     for row in select_rows(args.methods):
-        if _needs_ivon(row) and importlib.util.find_spec("ivon") is None:
-            print(f"{row.label}: skipped (pip install ivon-opt==0.1.3)")
-            continue
         for scen in args.scenarios:
             if scen not in row.scenarios:
                 continue

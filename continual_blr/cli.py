@@ -181,6 +181,8 @@ def _check_flags(args: argparse.Namespace) -> str | None:
             return str(err)
         if args.seed is not None:
             return "--seed: give either --seed or --seeds"
+    if args.ray is not None and args.seeds is None and args.resume is None:
+        return "--ray: runs the seeds of --seeds as Ray tasks; give --seeds S [S ...]"
     if args.overwrite and args.out is None:
         return "--overwrite: needs --out DIR (runs without --out always get a new folder)"
     if args.tensorboard:
@@ -251,6 +253,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     except (ConfigError, DataNotFoundError, FileNotFoundError, ValueError, TypeError) as err:
         return _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
+    from .distributed import is_main_process
+
+    if not is_main_process():  # under torchrun only rank 0 reports (and writes)
+        return 0
     label = " [QUICK MODE: epochs / 5]" if cfg.quick else ""
     print(f"\n{results[0].stream} ({results[0].scenario}-incremental), seed {cfg.seed}{label}")
     evaluated_on = (f"validation (held-out {cfg.stream.validation:g} of each task's training data, not test)"
@@ -283,8 +289,13 @@ def _run_sweep(cfg, seeds: list[int], args: argparse.Namespace) -> int:
         raise RunExistsError(f"--out: {out} holds a single run; choose another --out for --seeds")
     RunFolder(out).write_json("sweep.json", {"config": {k: v for k, v in cfg.to_dict().items() if k != "seed"},
                                              "seeds": seeds})
+    executor = None
+    if args.ray is not None:
+        from .sweep_ray import ray_executor
+
+        executor = ray_executor(None if args.ray == "local" else args.ray, num_cpus=args.threads or 1)
     try:
-        results = run_seeds(cfg, seeds, out, tensorboard=args.tensorboard)
+        results = run_seeds(cfg, seeds, out, executor=executor, tensorboard=args.tensorboard)
     except RunInterrupted as stop:
         print(f"continual-blr: interrupted: seed {Path(stop.out).name.removeprefix('seed-')}: {stop.summary()}; "
               f"finished seeds kept in {out}; resume with: continual-blr run --resume {out}", file=sys.stderr)
@@ -293,6 +304,10 @@ def _run_sweep(cfg, seeds: list[int], args: argparse.Namespace) -> int:
         print(f"continual-blr: interrupted; finished seeds kept in {out}; resume with: continual-blr run --resume {out}",
               file=sys.stderr)
         return EXIT_INTERRUPTED
+    from .distributed import is_main_process
+
+    if not is_main_process():
+        return 0
     print((out / "summary.md").read_text() if (out / "summary.md").is_file() else "")
     print(f"wrote {out / 'summary.md'} and {len(results)} seed folders {out}/seed-<s>/")
     return 0
@@ -304,7 +319,8 @@ def _epilog() -> str:
 
     return (f"methods: {', '.join(sorted(METHODS))}\n"
             f"streams: {', '.join(sorted(STREAMS))}\n"
-            "run folders, --resume, --seeds, --threads, logs: docs/runs.md")
+            "run folders, --resume, --seeds, --threads, logs: docs/runs.md\n"
+            "several processes: torchrun --nproc-per-node N -m continual_blr run CONFIG (docs/distributed.md)")
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -339,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="evaluate on this held-out fraction of each task's training data instead of the test set "
                           "(stream.validation; for choosing hyper-parameters)")
     run.add_argument("--quick", action="store_true", help="fewer epochs (epochs / 5) for smoke runs; labelled in outputs")
+    run.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                     help="with --seeds: each seed as a Ray task (a local Ray, or the cluster at ADDRESS, e.g. auto "
+                          "or ray://host:10001); without Ray installed the seeds run one after another")
     run.add_argument("--threads", type=int, metavar="N",
                      help="torch threads (intra- and inter-op; default: torch's). 1 is often faster on a shared or "
                           "busy machine (docs/runs.md)")

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from .methods import _type_ok
 from .methods.base import TrainConfig
+from .types import ConfigError
 
 __all__ = ["check_device", "check_seed", "ConfigError", "StreamConfig", "ModelConfig", "MethodConfig", "RunConfig", "from_dict", "DEFAULT_CONFIG"]
 
@@ -27,10 +28,6 @@ validation split of the training data (benchmarks/results/search_blr.md)."""
 SPLIT_DIGITS_FROMP: dict[str, Any] = {"tau": 10.0, "n_points": 40, "prior_precision": 1e-3, "jitter": 1e-6,
                                       "classes": "task"}
 """FROMP parameters of the embedded run: the reference code's split-MNIST values (not tuned)."""
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown or of the wrong type."""
 
 
 @dataclass
@@ -125,23 +122,6 @@ def check_seed(seed: int) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise ValueError(f"seed: got {seed!r}; allowed: an integer >= 0")
     return seed
-
-
-def _type_ok(value: Any, annotation: Any) -> bool:
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, a) for a in typing.get_args(annotation))
-    if annotation is type(None):
-        return value is None
-    if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if origin is not None:
-        return isinstance(value, origin)
-    if isinstance(annotation, type):
-        return isinstance(value, annotation)
-    return True
 
 
 def from_dict(cls: type, data: Any, path: str = "config") -> Any:

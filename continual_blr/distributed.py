@@ -36,7 +36,7 @@ from torch import Tensor
 
 __all__ = [
     "is_distributed", "rank", "world_size", "is_main_process", "init_from_env", "shutdown", "shard_bounds",
-    "shard", "all_reduce_sum_", "all_reduce_dict", "all_reduce_float", "all_gather_cat", "broadcast_module",
+    "shard", "all_reduce_sum_", "all_reduce_dict", "all_reduce_float", "all_gather_cat", "broadcast_module", "broadcast_object",
     "rank_seed", "fail_fast", "Traffic", "TRAFFIC", "DEFAULT_TIMEOUT_S",
 ]
 
@@ -265,6 +265,16 @@ def broadcast_module(module: torch.nn.Module, src: int = 0) -> None:
         for t in [*module.parameters(), *module.buffers()]:
             TRAFFIC.add("broadcast", t.numel() * t.element_size())
             dist.broadcast(t.data, src=src)
+
+
+def broadcast_object(obj: T, src: int = 0) -> T:
+    """Rank ``src``'s ``obj`` (any picklable value) on every rank; ``obj`` itself in one process. Used for
+    decisions that only one rank may take, e.g. the name of a new run folder."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
 
 
 def _device() -> torch.device:

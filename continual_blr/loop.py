@@ -46,7 +46,7 @@ class StreamResult:
     stream: str
     scenario: str
     seed: int
-    acc_matrix: list[list[float]]  # R[i][j]; NaN where task j was not seen yet
+    acc_matrix: list[list[float]]  # R[i][j]: NaN where task j was not seen yet
     avg_acc: float
     avg_acc_per_step: list[float]
     forgetting: float
@@ -80,7 +80,7 @@ class LoopProgress:
 
     Attributes:
         next_task: index of the first task still to train (tasks ``0 .. next_task - 1`` are finished).
-        acc_matrix: R[i][j] so far (rows ``>= next_task`` all NaN).
+        acc_matrix: ``R[i][j]`` so far (rows ``>= next_task`` all NaN).
         task_times: training seconds of each finished task.
         train_loss: last-epoch mean training loss of each finished task.
         generator_state: the minibatch-order generator's state (``torch.Generator.get_state()``) at the boundary.
@@ -337,6 +337,7 @@ def run_stream(
     """
     device = torch.device(device)
     model.to(device)
+    distributed.broadcast_module(model)  # under torchrun every rank starts from rank 0's weights
     model.train()
     tasks = [t.to(device) for t in stream.tasks]
     generator = torch.Generator().manual_seed(seed)

@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from .distributed import is_main_process
+from .distributed import broadcast_object, is_main_process
 
 __all__ = ["RunFolder", "RunExistsError", "RunNotFoundError", "new_run_dir", "check_out_dir", "clear_run",
            "find_generators", "generator_states", "load_generator_states", "deferred_interrupts", "RESULTS"]
@@ -174,20 +174,22 @@ def new_run_dir(root: str | Path, stream: str, methods: list[str], now: float | 
     """Create ``<root>/<stream>-<methods>-<YYYYmmdd-HHMMSS>`` (``-2``, ``-3``, ... when taken) and point
     ``<root>/latest`` at it (a symbolic link; a text file holding the folder's name where links fail).
 
-    Only the main process creates anything; every process gets the same name when started in the same second.
+    Only the main process chooses the name and creates anything; under ``torch.distributed`` the other
+    ranks receive its choice (:func:`continual_blr.distributed.broadcast_object`).
     """
     root = Path(root)
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
-    names = "+".join(methods) if len(methods) <= 3 else f"{'+'.join(methods[:3])}+{len(methods) - 3}more"
-    base = _slug(f"{stream}-{names}-{stamp}")
-    path, k = root / base, 1
-    while path.exists():
-        k += 1
-        path = root / f"{base}-{k}"
+    path = None
     if is_main_process():
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+        names = "+".join(methods) if len(methods) <= 3 else f"{'+'.join(methods[:3])}+{len(methods) - 3}more"
+        base = _slug(f"{stream}-{names}-{stamp}")
+        path, k = root / base, 1
+        while path.exists():
+            k += 1
+            path = root / f"{base}-{k}"
         path.mkdir(parents=True)
         _point_latest(root, path.name)
-    return path
+    return Path(broadcast_object(None if path is None else str(path)))
 
 
 def _point_latest(root: Path, name: str) -> None:

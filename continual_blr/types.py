@@ -16,6 +16,7 @@ from torch import Tensor, nn
 ParamDict = dict[str, Tensor]
 
 __all__ = [
+    "ConfigError",
     "DivergenceError",
     "ParamDict",
     "Batch",
@@ -29,6 +30,11 @@ __all__ = [
     "KronBlock",
     "KronCurvature",
 ]
+
+
+class ConfigError(ValueError):
+    """A configuration value (run config or method parameter) is missing, unknown, of the wrong type or out
+    of range; the message is one line naming the field and what is allowed."""
 
 
 class DivergenceError(ValueError):

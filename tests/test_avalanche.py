@@ -29,6 +29,8 @@ from continual_blr.models import build_model
 from continual_blr.optim.blr import BayesianLearningRule
 from continual_blr.types import Batch
 
+pytest.importorskip("avalanche", reason="Avalanche is the [avalanche] extra")
+
 ROOT = Path(__file__).resolve().parents[1]
 PLANNED = ("none", "blr", "ewc", "laplace", "l2", "vcl", "ivon", "fromp", "frorp", "fromp-l2")
 ALL = tuple(dict.fromkeys(PLANNED + tuple(METHODS)))

@@ -82,6 +82,7 @@ BAD_INPUT = [
      ["methods[0] (none)"]),
     ("unknown method in the config", lambda t: ["run", _yaml(t, "methods: [blr, nope]\n")], ["methods[1]", "nope"]),
     ("--threads 0", lambda t: ["run", "--threads", "0"], ["--threads", ">= 1"]),
+    ("--ray without --seeds", lambda t: ["run", "--ray"], ["--ray", "--seeds"]),
     ("--threads not a number", lambda t: ["run", "--threads", "two"], ["--threads", "two"]),
     ("--epochs 0", lambda t: ["run", "--epochs", "0"], ["--epochs", ">= 1"]),
     ("--validation 1.5", lambda t: ["run", _yaml(t, TINY), "--validation", "1.5"], ["validation", "[0, 1)"]),
@@ -129,6 +130,7 @@ def test_embedded_default_matches_its_yaml_copies():
     assert [(m.name, m.params) for m in default.methods] == [(m.name, m.params) for m in DEFAULT_CONFIG.methods]
     assert (default.model, default.train) == (DEFAULT_CONFIG.model, DEFAULT_CONFIG.train)
     assert default.stream.name == DEFAULT_CONFIG.stream.name
+    assert default.out is None and DEFAULT_CONFIG.out is None  # both write a new run folder
     assert default.stream.scenario == (DEFAULT_CONFIG.stream.scenario or "task")  # split digits' default scenario
     assert load("blr.yaml").methods[0].params == SPLIT_DIGITS_BLR
     assert load("fromp.yaml").methods[0].params == SPLIT_DIGITS_FROMP

@@ -227,7 +227,7 @@ _ACC = re.compile(r"^Top1_Acc_Exp/eval_phase/test_stream/Task\d+/Exp(\d+)$")
 
 def accuracy_matrix(metrics_after_each_experience: list[dict[str, Any]],
                     n_experiences: int | None = None) -> list[list[float]]:
-    """R[i][j] (test accuracy on experience j after training experience i; NaN where j > i) from the
+    """``R[i][j]`` (test accuracy on experience j after training experience i; NaN where j > i) from the
     dictionaries ``strategy.eval(...)`` returned after each training experience.
 
     Needs ``accuracy_metrics(experience=True)`` in the ``EvaluationPlugin`` and evaluation on the test

@@ -12,12 +12,11 @@ add one line to ``METHODS``.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import types
 import typing
-from functools import lru_cache
 from typing import Any
 
+from ..types import ConfigError
 from .base import Method, TrainConfig, make_torch_optimizer
 from .blr import BLRMethod, BLRParams
 from .ewc import EWCMethod, EWCParams
@@ -53,28 +52,11 @@ def register(name: str, method_cls: type[Method], params_cls: type | None) -> No
     METHODS[name] = (method_cls, params_cls)
 
 
-class MethodParamsError(ValueError):
-    """A method's parameters are unknown, of the wrong type or out of range (one line naming the field)."""
+class MethodParamsError(ConfigError):
+    """A method's parameters are unknown, of the wrong type or out of range (one line naming the field).
 
-
-@lru_cache(maxsize=None)
-def _with_config_error(config_error: type) -> type:
-    return type("MethodParamsError", (MethodParamsError, config_error), {"__module__": __name__})
-
-
-def _params_error(message: str) -> MethodParamsError:
-    """A :class:`MethodParamsError`; also a ``continual_blr.config.ConfigError`` when the caller has loaded
-    the config layer, so code written as ``except ConfigError`` around ``build_method`` keeps working.
-
-    Transitional: the registry does not import the config layer (it sits above the methods), so it
-    looks the class up among the loaded modules. Once ``config.ConfigError`` is this class (or derives
-    from it), this shim goes.
-    """
-    config = sys.modules.get("continual_blr.config")
-    config_error = getattr(config, "ConfigError", None)
-    if isinstance(config_error, type) and not issubclass(MethodParamsError, config_error):
-        return _with_config_error(config_error)(message)
-    return MethodParamsError(message)
+    A :class:`~continual_blr.types.ConfigError`, so one ``except ConfigError`` at the CLI catches it with
+    the run config's errors."""
 
 
 def _type_ok(value: Any, annotation: Any) -> bool:
@@ -120,25 +102,25 @@ def parse_params(params_cls: type, data: Any, path: str = "params") -> Any:
     if isinstance(data, params_cls):
         return data
     if not isinstance(data, dict):
-        raise _params_error(f"{path} must be a mapping, got {type(data).__name__}")
+        raise MethodParamsError(f"{path} must be a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(params_cls)
     fields = {f.name for f in dataclasses.fields(params_cls)}
     unknown = [k for k in data if k not in fields]
     if unknown:
-        raise _params_error(f"{path}: unknown key {unknown[0]!r} (allowed: {', '.join(sorted(fields))})")
+        raise MethodParamsError(f"{path}: unknown key {unknown[0]!r} (allowed: {', '.join(sorted(fields))})")
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         ann = hints[key]
         if not _type_ok(value, ann):
             want = getattr(ann, "__name__", str(ann)).replace("typing.", "")
-            raise _params_error(f"{path}.{key} must be {want}, got {value!r}")
+            raise MethodParamsError(f"{path}.{key} must be {want}, got {value!r}")
         kwargs[key] = float(value) if ann is float and isinstance(value, int) else value
     try:
         return params_cls(**kwargs)
     except MethodParamsError:
         raise
     except (ValueError, TypeError) as err:
-        raise _params_error(str(err).splitlines()[0] if str(err) else type(err).__name__) from None
+        raise MethodParamsError(str(err).splitlines()[0] if str(err) else type(err).__name__) from None
 
 
 def build_method(name: str, params: Any = None, seed: int = 0) -> Method:
@@ -160,13 +142,13 @@ def build_method(name: str, params: Any = None, seed: int = 0) -> Method:
     if params_cls is None:
         if params:
             keys = sorted(params) if isinstance(params, dict) else type(params).__name__
-            raise _params_error(f"method {name!r} takes no params, got {keys}")
+            raise MethodParamsError(f"method {name!r} takes no params, got {keys}")
         method = method_cls(seed=seed)
     else:
         try:
             parsed = parse_params(params_cls, params if params is not None else {}, path="params")
         except MethodParamsError as err:
-            raise _params_error(f"method {name!r}: {err}") from None
+            raise MethodParamsError(f"method {name!r}: {err}") from None
         method = method_cls(parsed, seed=seed)  # type: ignore[call-arg]
     method.name = name
     return method

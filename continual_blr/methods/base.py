@@ -198,8 +198,13 @@ class Method:
         return model(x, head=head)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"regularizer": self.regularizer.state_dict() if self.regularizer is not None else None}
+        """The regulariser's state (the carried past) and the method's random stream (``generator``), so
+        that a reloaded method draws the same weight samples as the one that was saved."""
+        return {"regularizer": self.regularizer.state_dict() if self.regularizer is not None else None,
+                "generator": self.generator.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.regularizer is not None and state.get("regularizer") is not None:
             self.regularizer.load_state_dict(state["regularizer"])
+        if state.get("generator") is not None:  # absent in method.pt files written before it was saved
+            self.generator.set_state(state["generator"])
