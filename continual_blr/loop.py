@@ -84,6 +84,9 @@ class LoopProgress:
         task_times: training seconds of each finished task.
         train_loss: last-epoch mean training loss of each finished task.
         generator_state: the minibatch-order generator's state (``torch.Generator.get_state()``) at the boundary.
+        torch_rng_state: torch's global CPU generator at the boundary (``torch.get_rng_state()``: dropout
+            masks); None in checkpoints written before it was kept.
+        cuda_rng_state: the CUDA generator of the run's device at the boundary (CUDA runs only).
     """
 
     next_task: int
@@ -91,6 +94,8 @@ class LoopProgress:
     task_times: list[float]
     train_loss: list[float]
     generator_state: Tensor
+    torch_rng_state: Tensor | None = None
+    cuda_rng_state: Tensor | None = None
 
 
 def stream_metrics(acc: list[list[float]]) -> dict[str, Any]:
@@ -164,12 +169,12 @@ def _batches(tasks: list[Task], batch_size: int, generator: torch.Generator):
     """
     order = []
     for i, t in enumerate(tasks):
-        perm = torch.randperm(t.n_train, generator=generator)
+        # Drawn on the CPU generator (the same order on every device), moved once per task and epoch.
+        perm = torch.randperm(t.n_train, generator=generator).to(t.x_train.device)
         order += [(i, perm[s : s + batch_size]) for s in range(0, t.n_train, batch_size)]
     for k in torch.randperm(len(order), generator=generator).tolist() if len(tasks) > 1 else range(len(order)):
         i, idx = order[k]
         t = tasks[i]
-        idx = idx.to(t.x_train.device)
         yield t, Batch(t.x_train[idx], t.y_train[idx], t.head)
 
 
@@ -277,12 +282,12 @@ def fit_task(
     last = math.nan
     bar = tqdm(range(train.epochs), desc=f"task {task.task_id}", leave=False, disable=not progress)
     for epoch in bar:
-        total, n = 0.0, 0
+        total, n = 0.0, 0  # summed on the loss's device: no host synchronisation per step
         for t, batch in _batches(tasks, train.batch_size, generator):
             loss = train_step(model, method, optimizer, batch, t, train)
-            total += float(loss.detach()) * batch.y.shape[0]
+            total = total + loss.detach() * batch.y.shape[0]
             n += batch.y.shape[0]
-        last = total / max(n, 1)
+        last = float(total) / max(n, 1)
         if not math.isfinite(last):
             raise DivergenceError(
                 f"{method.name}: the training loss on task {task.task_id} ({task.name}) became {last} in epoch "
@@ -336,6 +341,19 @@ def run_stream(
         A :class:`StreamResult` with the accuracy matrix and its summary metrics.
     """
     device = torch.device(device)
+    cuda = [device] if device.type == "cuda" else []
+    # Layers that draw from torch's global generators (dropout) are seeded from ``seed`` inside a forked
+    # RNG state: the run is reproducible and the caller's global state is left as it was.
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(seed)
+        return _run_stream(model, stream, method, train, seed=seed, device=device, progress=progress,
+                           config=config, resume=resume, restore=restore, on_task_end=on_task_end,
+                           on_epoch=on_epoch)
+
+
+def _run_stream(model, stream, method, train, *, seed, device, progress, config, resume, restore, on_task_end,
+                on_epoch) -> StreamResult:
+    """The body of :func:`run_stream`, run inside its forked global RNG state."""
     model.to(device)
     distributed.broadcast_module(model)  # under torchrun every rank starts from rank 0's weights
     model.train()
@@ -355,6 +373,10 @@ def run_stream(
         acc = [list(row) for row in resume.acc_matrix]
         times, losses = list(resume.task_times), list(resume.train_loss)
         generator.set_state(resume.generator_state)
+        if resume.torch_rng_state is not None:
+            torch.set_rng_state(resume.torch_rng_state)
+        if resume.cuda_rng_state is not None and device.type == "cuda":
+            torch.cuda.set_rng_state(resume.cuda_rng_state, device)
     bar = tqdm(range(start, n), desc=f"{method.name} on {stream.name}", disable=not progress, initial=start, total=n)
     for i in bar:
         task = tasks[i]
@@ -367,7 +389,9 @@ def run_stream(
             acc[i][j] = evaluate_task(model, method, tasks[j], train.eval_batch_size)
         bar.set_postfix(avg_acc=f"{sum(acc[i][: i + 1]) / (i + 1):.4f}")
         if on_task_end is not None:
-            on_task_end(LoopProgress(i + 1, [list(row) for row in acc], list(times), list(losses), generator.get_state()),
+            on_task_end(LoopProgress(i + 1, [list(row) for row in acc], list(times), list(losses), generator.get_state(),
+                                     torch.get_rng_state(),
+                                     torch.cuda.get_rng_state(device) if device.type == "cuda" else None),
                         model, method)
     metrics = stream_metrics(acc)
     return StreamResult(

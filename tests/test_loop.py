@@ -40,6 +40,45 @@ def test_same_seed_identical_results():
     assert c.train_loss != a.train_loss
 
 
+class _DropoutNet(torch.nn.Module):
+    """A multi-head MLP with dropout: its training draws from torch's global generator."""
+
+    def __init__(self, d_in: int, n_out: int, n_heads: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(d_in, 32), torch.nn.ReLU(),
+                                        torch.nn.Dropout(0.5))
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(32, n_out) for _ in range(n_heads))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+    def forward(self, x, head=0):
+        return self.heads[head](self.body(x))
+
+
+def _dropout_run(seed: int, check_global_state: bool = False) -> StreamResult:
+    stream = make_stream("synthetic", seed=0)
+    model = _DropoutNet(math.prod(stream.input_shape), stream.n_outputs, stream.n_heads)  # nn.Linear draws globally
+    method = build_method("none", {}, seed=seed)
+    before = torch.get_rng_state()
+    result = run_stream(model, stream, method, TrainConfig(epochs=2, batch_size=32, lr=1e-2), seed=seed, progress=False)
+    if check_global_state:
+        assert torch.equal(torch.get_rng_state(), before)
+    return result
+
+
+def test_dropout_runs_are_seeded_and_leave_the_global_generator_alone():
+    """Dropout masks come from torch's global generator: run_stream seeds it from ``seed`` inside a forked
+    state, so two runs agree exactly, another seed differs, and the caller's global state is unchanged."""
+    torch.manual_seed(123)
+    a = _dropout_run(5, check_global_state=True)
+    torch.manual_seed(999)  # a different global state must not change the run
+    b = _dropout_run(5)
+    assert a.train_loss == b.train_loss and a.acc_matrix == b.acc_matrix
+    assert _dropout_run(6).train_loss != a.train_loss
+
+
 def test_metrics_by_hand():
     acc = [[0.9, math.nan, math.nan], [0.7, 0.8, math.nan], [0.6, 0.75, 1.0]]
     m = stream_metrics(acc)
