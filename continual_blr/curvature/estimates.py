@@ -143,8 +143,10 @@ def curvature(
         dense = sum(t.numel() for t in sel.values()) if structure is Structure.FULL else 0
         reducer = {Structure.DIAG: diag_curvature, Structure.FULL: full_curvature, Structure.KRON: kron_curvature}
         # closing(): the generator's eval-mode context ends here even when the reducer raises
+        # Every reducer uses only Σ_c u_c u_cᵀ per example: the GGN's K softmax cotangents (rank K − 1)
+        # are compressed to K − 1 (jacobians.gram_factor; exact to rounding).
         with closing(passes(model, x, y, sel, cot, head=head, chunk_size=chunk, per_batch=per_batch,
-                            dense=dense)) as run:
+                            dense=dense, gram_only=kind is Curvature.GGN)) as run:
             c = reducer[structure](run, sel)
     if not shard:
         return c
