@@ -4,6 +4,7 @@ objective, the carried prior (a snapshot before the boundary; new heads outside 
 the maximum-likelihood start, coreset selection and fine-tuning (only the predictive copies change; one
 copy per task in the task scenario)."""
 
+import copy
 import dataclasses
 
 import pytest
@@ -467,3 +468,25 @@ def test_vcl_params_validation():
                           ({"ml_init_epochs": -1}, "ml_init_epochs"), ({"damping": -1.0}, "damping"), ({"coreset_epochs": -2}, "coreset_epochs")]:
         with pytest.raises(ConfigError, match=field):
             build_method("vcl", params)
+
+
+def test_a_reloaded_vcl_draws_the_predictions_the_saved_one_would():
+    """state_dict carries VCL's random streams: after a round trip into a fresh method, the sampled
+    predictive equals the saved method's draw for draw; a fresh method without it draws differently."""
+    stream = _stream()
+    train = TrainConfig(epochs=1, batch_size=20, lr=1e-2)
+    model = _model(stream)
+    params = {"predict_samples": 5, "ml_init_epochs": 0}
+    method = build_method("vcl", params, seed=0)
+    run_stream(model, stream, method, train, seed=0, progress=False)
+    x = stream.tasks[0].x_test
+    method.predict_proba(model, x, 0)  # advance the streams past their initial state
+    state = copy.deepcopy(method.state_dict())
+    fresh, other = build_method("vcl", params, seed=0), build_method("vcl", params, seed=0)
+    for m in (fresh, other):
+        _set_up(m, model, stream, train)
+    fresh.load_state_dict(state)
+    other.load_state_dict({k: v for k, v in state.items() if k not in ("generator", "predict_generator")})
+    want = method.predict_proba(model, x, 0)
+    assert torch.equal(fresh.predict_proba(model, x, 0), want)
+    assert not torch.equal(other.predict_proba(model, x, 0), want)

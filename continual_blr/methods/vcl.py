@@ -479,7 +479,8 @@ class VCLMethod(Method):
         return self._outputs(model, x, head, lambda f: f)
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"active": list(self.active)}
+        state: dict[str, Any] = {"active": list(self.active), "generator": self.generator.get_state(),
+                                 "predict_generator": self._predict_generator.get_state()}
         if self._carried is not None:
             state["carried"] = self._carried.state_dict()
         if self._blr is not None:
@@ -494,6 +495,9 @@ class VCLMethod(Method):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.active = list(state.get("active", self.active))
+        if "generator" in state:  # the random streams: a reloaded VCL draws the samples the saved one would
+            self.generator.set_state(state["generator"])
+            self._predict_generator.set_state(state["predict_generator"])
         if "carried" in state:
             self._carried = DiagPosterior.from_state_dict(state["carried"])
         if self.kl is not None and "kl" in state:
