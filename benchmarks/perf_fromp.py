@@ -17,7 +17,7 @@ uniform random pixels (speed does not depend on the data). For 1, 4 and 9 past t
   every past task), median of ``--rebuilds`` after one warm-up;
 * (for information) the task-end pass: diagonal GGN over the task's training data + λ selection.
 
-and prints the ratios to plain Adam and the speed-up over the reference code (shared/ANCHORS.md:
+and prints the ratios to plain Adam and the speed-up over the reference code (docs/anchors.md:
 plain step ≈ 1.1 ms; FROMP step 0.40 / 1.9 / 3.5 s; rebuild 0.9 / 3.4 / 7.6 s).
 
 End to end (``--end-to-end``, one thread): the split-MNIST configs ``configs/split_mnist/none.yaml`` and
@@ -49,7 +49,7 @@ from continual_blr.models import MLP
 from continual_blr.types import Batch
 
 ROOT = Path(__file__).resolve().parent.parent
-REFERENCE = {  # past tasks → (step s, rebuild s), reference code on 2 cores (shared/ANCHORS.md)
+REFERENCE = {  # past tasks → (step s, rebuild s), reference code on 2 cores (docs/anchors.md)
     1: (0.40, 0.9),
     4: (1.9, 3.4),
     9: (3.5, 7.6),
@@ -156,7 +156,7 @@ def report(res: dict, steps: int, n_train: int) -> str:
         f"steps. The machine is shared (1-minute load average {res['load'][0]:.1f} at the start, "
         f"{res['load'][1]:.1f} at the end, on 2 cores); under other jobs' load absolute times inflate and move",
         "between runs, while the ratios within a row are measured under the same load.",
-        "Reference: team-approx-bayes/fromp on 2 cores (shared/ANCHORS.md).",
+        "Reference: team-approx-bayes/fromp on 2 cores (docs/anchors.md).",
         "",
         f"Plain Adam step (median of the rows): **{plain * 1e3:.2f} ms** (reference ≈ "
         f"{REFERENCE_PLAIN_STEP * 1e3:.1f} ms). Plain, FROMP and fwd/bwd steps are timed in alternating rounds, so",

@@ -9,7 +9,7 @@ function close to that GP prior at the memorable points gives, per minibatch,
     loss(θ) = mean_i ℓ(f_θ(x_i), y_i) + (τ/2) Σ_{s<t} Σ_c Δp_{s,c}ᵀ K_{s,c}⁻¹ Δp_{s,c},
     Δp_{s,c} = p_c(X_s; θ) − p_c(X_s; θ_{t−1})   (the M_s memorable points X_s of task s, class c).
 
-Protocol (the reference code ``team-approx-bayes/fromp``; ``shared/ANCHORS.md``):
+Protocol (the reference code ``team-approx-bayes/fromp``; ``docs/anchors.md``):
 
 * Σ = diag(1 / (F + δ)), F = Σ over **all past training data** of diag(J_fᵀ Λ J_f) — the diagonal GGN
   with logit Jacobians J_f and Λ = diag(p) − ppᵀ, computed at the end of each task with that task's
