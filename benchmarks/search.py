@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import importlib.util
 import itertools
 import json
 import re
@@ -44,16 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SCENARIOS = ("task", "domain")
 
 
-def _sibling(name: str):
-    """The module ``benchmarks/<name>.py`` (these scripts are not a package)."""
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", Path(__file__).resolve().parent / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-strength = _sibling("strength")
-reproduce = _sibling("reproduce")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts (benchmarks/ is not a package)
+import reproduce, strength  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- the grid
@@ -330,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    command = "python benchmarks/search.py " + _sibling("reproduce").shown_command(
+    command = "python benchmarks/search.py " + reproduce.shown_command(
         sys.argv[1:] if argv is None else argv, args.data_dir)
     base = load_base(args.benchmark, args.config, args)
     mc = base.methods[0]

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
 import re
 import statistics
@@ -51,15 +50,8 @@ from continual_blr.runner import run_config
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _sibling(name: str):
-    """The module ``benchmarks/<name>.py`` (these scripts are not a package)."""
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", Path(__file__).resolve().parent / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-strength = _sibling("strength")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts (benchmarks/ is not a package)
+import strength  # noqa: E402
 CONFIGS = ROOT / "configs" / "split_digits"
 SCENARIOS = ("task", "class")
 BASE_CONFIG = "none"  # its model and train are every row's budget
