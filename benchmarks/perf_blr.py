@@ -45,9 +45,9 @@ from perf_fromp import _interleaved  # noqa: E402  (the shared interleaved media
 ROOT = Path(__file__).resolve().parent.parent
 BATCH, N_TRAIN = 128, 12_000
 ROWS = [("diag", "gauss_newton"), ("diag", "empirical_fisher"), ("diag", "ggn"), ("diag", "price"),
-        ("kron", "gauss_newton"), ("kron", "empirical_fisher")]
+        ("diag", "ggn", "fused"), ("diag", "price", "fused"), ("kron", "gauss_newton"), ("kron", "empirical_fisher")]
 EXTRA = {"price": {"init_hess": 0.01}}  # the Price estimator needs a data-scale start
-TARGETS = {"diag / price": 1.3, "diag / ggn": 3.0}  # issue targets: × an Adam step
+TARGETS = {"diag / price": 1.3, "diag / ggn": 3.0, "diag / ggn (fused)": 3.0, "diag / price (fused)": 1.3}  # issue targets: × an Adam step
 
 
 def _setup(name: str, params: dict, model: MLP, task: Task, train: TrainConfig):
@@ -68,14 +68,19 @@ def run(steps: int, seed: int = 0) -> dict:
     batch = Batch(x, y, 0)
     train = TrainConfig(batch_size=BATCH, lr=1e-4)
     fns = {}
-    for structure, curv in ROWS:
+    for structure, curv, *fused in ROWS:
         model = copy.deepcopy(base)
-        method, opt = _setup("blr", {"structure": structure, "curvature": curv, **EXTRA.get(curv, {})}, model, task,
-                             train)
-        fns[f"{structure} / {curv}"] = (lambda m=model, me=method, o=opt: train_step(m, me, o, batch, task, train))
+        params = {"structure": structure, "curvature": curv, **EXTRA.get(curv, {}), "fused_step": bool(fused)}
+        method, opt = _setup("blr", params, model, task, train)
+        name = f"{structure} / {curv}" + (" (fused)" if fused else "")
+        fns[name] = (lambda m=model, me=method, o=opt: train_step(m, me, o, batch, task, train))
     model = copy.deepcopy(base)
     method, opt = _setup("none", {}, model, task, train)
     fns["adam"] = lambda: train_step(model, method, opt, batch, task, train)
+    model_f = copy.deepcopy(base)
+    method_f, _ = _setup("none", {}, model_f, task, train)
+    adam_fused = torch.optim.Adam(model_f.parameters(), lr=train.lr, fused=True)
+    fns["adam (fused)"] = lambda: train_step(model_f, method_f, adam_fused, batch, task, train)
     times = _interleaved(fns, steps, per_round=2, warmup=2)
 
     # agreement: one step from the same state and the same weight sample
@@ -113,13 +118,19 @@ def report(res: dict, steps: int, threads: int, command: str) -> str:
         "|---|---|---|---|",
     ]
     for name, sec in t.items():
-        if name == "adam":
+        if name.startswith("adam"):
             continue
         structure = name.split(" / ")[0]
         target = f" (target ≤ {TARGETS[name]}×: {'met' if sec / adam <= TARGETS[name] else 'missed'})" if name in TARGETS else ""
         lines.append(f"| {name} | {1e3 * sec:.1f} | {sec / adam:.2f}{target} | {ref[structure] / sec:.1f}× |")
     lines += [
         f"| adam (the `none` method) | {1e3 * adam:.2f} | 1.0 | - |",
+        f"| adam, `fused=True` (for reference) | {1e3 * t['adam (fused)']:.2f} | {t['adam (fused)'] / adam:.2f} | - |",
+        "",
+        "`(fused)` rows: `fused_step: true` (`BayesianLearningRule(fused=True)`), the update after the estimates "
+        "compiled by `torch.compile` into one loop (`optim.blr.diag_update`); the weight sample and the "
+        "estimates are the eager rows'. The targets are against the `none` method's Adam (torch's default "
+        "for-each implementation); torch's own fused Adam is shown beside it.",
         "",
         f"Diagonal `empirical_fisher` vs `gauss_newton` after one step from the same state and sample: largest "
         f"relative difference {res['rel_precision']:.1e} in the precision, {res['rel_mean']:.1e} in the mean "

@@ -58,6 +58,9 @@ class BLRParams:
         init_hess: h₀, the data part's start D = N h₀ at every task's start, for every parameter (new heads
             included; per-example curvature units, like IVON's ``hess_init``); None: keep
             ``init_precision``'s start for task 1 and the warm start after.
+        fused_step: diagonal structure: the update after the estimates as one ``torch.compile``-d kernel
+            (``BayesianLearningRule(fused=True)``: the same algebra, fewer passes over memory; the first
+            step compiles for seconds and needs a C++ compiler on CPU). Off by default.
     """
 
     structure: str = "diag"
@@ -75,6 +78,7 @@ class BLRParams:
     precision_debias: bool = True
     damping: float = 0.0
     init_hess: float | None = None
+    fused_step: bool = False
 
     def __post_init__(self) -> None:
         s = parse_enum(Structure, self.structure, "params.structure")
@@ -129,7 +133,7 @@ class BLRMethod(Method):
         self.optimizer = BayesianLearningRule(
             model, prior, n_data=1, lr=p.lr, rho=p.rho, beta1=p.beta1, mc_samples=p.mc_samples,
             curvature=p.curvature, init_precision=init, generator=self.generator, clip_radius=p.clip_radius,
-            debias=p.precision_debias, damping=p.damping, init_hess=p.init_hess,
+            debias=p.precision_debias, damping=p.damping, init_hess=p.init_hess, fused=p.fused_step,
         )
 
     def make_optimizer(self, model: nn.Module, task: Task, train: TrainConfig) -> torch.optim.Optimizer:

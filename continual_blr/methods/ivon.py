@@ -51,6 +51,7 @@ class IVONParams:
         clip_radius: IVON's elementwise clip of the preconditioned step.
         mc_samples: weight samples per step.
         predict_samples: MC samples at prediction (0: the mean network).
+        fused_step: the update as one ``torch.compile``-d kernel (BLRParams.fused_step).
     """
 
     lr: float = 0.03
@@ -64,6 +65,7 @@ class IVONParams:
     clip_radius: float | None = 0.3
     mc_samples: int = 1
     predict_samples: int = 0
+    fused_step: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.beta2 < 1:
@@ -77,6 +79,7 @@ class IVONParams:
             rho=1.0 - self.beta2, beta1=self.beta1, mc_samples=self.mc_samples, ess_factor=self.ess_factor,
             predict_samples=self.predict_samples, temperature=self.temperature, clip_radius=self.clip_radius,
             curvature="price", precision_debias=self.debias, damping=0.0, init_hess=self.hess_init,
+            fused_step=self.fused_step,
         )
 
 
