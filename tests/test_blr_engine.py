@@ -273,3 +273,50 @@ def test_fused_step_equals_the_eager_step(gen, curvature, extra):
         torch.testing.assert_close(u_f[k], u_e[k], rtol=FUSED_RTOL, atol=1e-14)
     # the run moved the state: a comparison of untouched copies would pass trivially
     assert max(float((m_e[k] - prior.mean[k]).abs().max()) for k in m_e) > 1e-3
+
+
+def test_curvature_every_k_steps_keeps_the_fixed_point(gen):
+    """``curvature_every=k`` estimates ĥ on every k-th step only, with the rate 1 − (1 − ρ)ᵏ: on Bayesian linear
+    regression (float64, exact GGN) the averaged iterates still reach the mean-field optimum — precision
+    S₀ + diag(ZᵀZ)/σ² and the exact posterior mean — within the Monte-Carlo tolerance of the every-step test;
+    and ĥ is really skipped: it is estimated on steps 1, k+1, 2k+1, … only."""
+    x, y, sigma = _regression(gen)
+    d, n, delta, k = x.shape[1], x.shape[0], 3.0, 4
+    model = MLP(d, (), 1, 1).to(DT)
+    names = ["heads.0.weight", "heads.0.bias"]
+    m0 = {"heads.0.weight": torch.randn(1, d, generator=gen, dtype=DT), "heads.0.bias": torch.randn(1, generator=gen, dtype=DT)}
+    opt = BayesianLearningRule(model, DiagPosterior(m0, delta), n_data=n, lr=0.2, rho=0.1, mc_samples=1,
+                               curvature="ggn", debias=True, generator=torch.Generator().manual_seed(0),
+                               curvature_every=k)
+    closure = BatchClosure(model, x, y, head=0, likelihood="regression", sigma=sigma)
+    estimates, calls = opt._estimates, []
+
+    def counted(*args, **kwargs):
+        calls.append(opt._t)
+        return estimates(*args, **kwargs)
+
+    opt._estimates = counted  # type: ignore[method-assign]
+    means, precs = [], []
+    for t in range(3000):
+        opt.step(closure)
+        if t >= 1000:
+            post = opt.posterior()
+            means.append(torch.cat([post.mean[key].reshape(-1) for key in names]))
+            precs.append(torch.cat([post.precision[key].reshape(-1) for key in names]))
+    assert calls[:4] == [0, k, 2 * k, 3 * k] and len(calls) == 3000 // k  # ĥ on steps 1, k+1, 2k+1, … only
+    z = torch.cat([x, torch.ones(n, 1, dtype=DT)], 1)
+    h = z.T @ z / sigma**2
+    z0 = torch.cat([m0[key].reshape(-1) for key in names])
+    exact_mean = torch.linalg.solve(h + delta * torch.eye(d + 1, dtype=DT), z.T @ y / sigma**2 + delta * z0)
+    torch.testing.assert_close(torch.stack(precs).mean(0), torch.diagonal(h) + delta, rtol=1e-10, atol=0)
+    torch.testing.assert_close(torch.stack(means).mean(0), exact_mean, **FIXED_POINT_MC)
+
+
+def test_curvature_every_is_diagonal_and_not_price():
+    model = Linear(3)
+    prior = DiagPosterior({"w": torch.zeros(3, dtype=DT)}, 1.0)
+    with pytest.raises(ValueError, match="curvature_every"):
+        BayesianLearningRule(model, prior, n_data=10, curvature="price", mc_samples=1, init_hess=1.0,
+                             curvature_every=2)
+    with pytest.raises(ValueError, match="curvature_every: must be >= 1"):
+        BayesianLearningRule(model, prior, n_data=10, curvature_every=0)

@@ -61,6 +61,9 @@ class BLRParams:
         fused_step: diagonal structure: the update after the estimates as one ``torch.compile``-d kernel
             (``BayesianLearningRule(fused=True)``: the same algebra, fewer passes over memory; the first
             step compiles for seconds and needs a C++ compiler on CPU). Off by default.
+        curvature_every: k: estimate ĥ on every k-th step only (diagonal structure, not ``"price"``), D updated
+            there at the rate 1 − (1 − ρ)ᵏ; the other steps cost a forward and backward
+            (``BayesianLearningRule(curvature_every=k)``; the fixed point is unchanged).
     """
 
     structure: str = "diag"
@@ -79,6 +82,7 @@ class BLRParams:
     damping: float = 0.0
     init_hess: float | None = None
     fused_step: bool = False
+    curvature_every: int = 1
 
     def __post_init__(self) -> None:
         s = parse_enum(Structure, self.structure, "params.structure")
@@ -104,6 +108,10 @@ class BLRParams:
                 raise ValueError("params.curvature: 'price' is a diagonal estimator; allowed with structure 'diag'")
             if self.mc_samples < 1 or self.init_hess is None:
                 raise ValueError("params.curvature: 'price' needs mc_samples >= 1 and init_hess > 0")
+        if not (isinstance(self.curvature_every, int) and self.curvature_every >= 1):
+            raise ValueError(f"params.curvature_every: must be an integer >= 1, got {self.curvature_every!r}")
+        if self.curvature_every > 1 and (s != Structure.DIAG or self.curvature == "price"):
+            raise ValueError("params.curvature_every: > 1 needs structure 'diag' and a curvature other than 'price'")
         if self.clip_radius is not None and not self.clip_radius > 0:
             raise ValueError(f"params.clip_radius: must be > 0 or null, got {self.clip_radius}")
         if self.predict_samples < 0:
@@ -134,6 +142,7 @@ class BLRMethod(Method):
             model, prior, n_data=1, lr=p.lr, rho=p.rho, beta1=p.beta1, mc_samples=p.mc_samples,
             curvature=p.curvature, init_precision=init, generator=self.generator, clip_radius=p.clip_radius,
             debias=p.precision_debias, damping=p.damping, init_hess=p.init_hess, fused=p.fused_step,
+            curvature_every=p.curvature_every,
         )
 
     def make_optimizer(self, model: nn.Module, task: Task, train: TrainConfig) -> torch.optim.Optimizer:

@@ -110,6 +110,7 @@ class VCLParams:
         clip_radius: vogn only: the BLR's elementwise bound on the preconditioned step (None: none).
         damping: vogn only: γ ≥ 0, the BLR's step-only damping N γ (the carried posterior does not depend on it).
         fused_step: vogn only: the BLR's update as one ``torch.compile``-d kernel (BLRParams.fused_step).
+        curvature_every: vogn only: the BLR's curvature on every k-th step only (BLRParams.curvature_every).
         ml_init_epochs: epochs of maximum-likelihood training of the means before task 1 (0: off).
         coreset_size: held-out examples per task (0: no coreset).
         coreset_kind: ``"random"`` or ``"kcenter"``.
@@ -131,6 +132,7 @@ class VCLParams:
     clip_radius: float | None = None
     damping: float = 0.0
     fused_step: bool = False
+    curvature_every: int = 1
     ml_init_epochs: int = 0
     coreset_size: int = 0
     coreset_kind: str = "random"
@@ -242,6 +244,7 @@ class VCLMethod(Method):
             damping=p.damping,
             init_hess=None,  # VCL's own start: q_{t−1} warm, e^{−init_log_variance} for a new head
             fused_step=p.fused_step,
+            curvature_every=p.curvature_every,
         )
 
     def blr_params(self) -> BLRParams:

@@ -299,6 +299,11 @@ class BayesianLearningRule(torch.optim.Optimizer):
             D restarts at N h₀ I for every covered parameter, new heads included — a data-scale start
             (IVON's ``hess_init``); None: D keeps its value (``init_precision`` for the first task, then the
             warm start D = 0 since the new prior holds the old posterior). Required by ``"price"``.
+        curvature_every: k ≥ 1, diagonal structure, not ``"price"``: ĥ is estimated on every k-th step of a
+            task only (the first included) and D updated there with the rate 1 − (1 − ρ)ᵏ (debiased over
+            the updates made), so D averages over the same number of steps; the other steps cost one
+            forward and backward. E[ĥ] and so the fixed point D = E_q[ĥ] are unchanged; the estimate of the
+            average uses k times fewer weight samples.
         fused: diagonal structure: run the update after the estimates (:func:`diag_update`) as one
             ``torch.compile``-d kernel instead of about ten eager passes over the parameters (the same
             algebra up to floating-point contraction; the first step compiles, seconds on CPU, and needs a
@@ -322,6 +327,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
         damping: float = 0.0,
         init_hess: float | None = None,
         fused: bool = False,
+        curvature_every: int = 1,
     ) -> None:
         if not isinstance(prior, GaussianPosterior):
             raise TypeError(f"prior: expected a GaussianPosterior, got {type(prior).__name__}")
@@ -343,6 +349,11 @@ class BayesianLearningRule(torch.optim.Optimizer):
             raise ValueError(f"init_hess: must be > 0 or None, got {init_hess}")
         if curvature not in CURVATURES:
             raise ValueError(f"curvature: got {curvature!r}; allowed: {', '.join(map(repr, CURVATURES))}")
+        if int(curvature_every) < 1:
+            raise ValueError(f"curvature_every: must be >= 1, got {curvature_every}")
+        if int(curvature_every) > 1 and (prior.structure != Structure.DIAG or curvature == "price"):
+            raise ValueError("curvature_every: > 1 is for the diagonal structure with a curvature other than 'price' "
+                             "(whose estimate comes free with the gradient)")
         if curvature == "hessian" and prior.structure == Structure.KRON:
             raise ValueError("curvature: 'hessian' is not available for structure 'kron'; use 'gauss_newton'")
         if curvature == "price":
@@ -373,6 +384,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
         self.damping = float(damping)
         self.init_hess = init_hess
         self.fused = bool(fused)
+        self.curvature_every = int(curvature_every)
         self._data = data_part(prior, init_precision) if init_precision is not None else _data_like(prior, 0.0)
         self._momentum: ParamDict | None = None
         self._flat: _FlatDiag | None = None  # the diagonal step's flat buffers (see _flat_state)
@@ -396,7 +408,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
             self, model, prior, n_data=self.n_data, lr=group["lr"], rho=group["rho"], beta1=group["beta1"],
             mc_samples=self.mc_samples, curvature=self.curvature, init_precision=init_precision,
             generator=self.generator, clip_radius=self.clip_radius, debias=self.debias, damping=self.damping,
-            init_hess=self.init_hess, fused=self.fused,
+            init_hess=self.init_hess, fused=self.fused, curvature_every=self.curvature_every,
         )
         self.kron_iters = kron_iters
         self.rank_samples, self._rank_generator = rank_samples, rank_generator
@@ -735,6 +747,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
         mean = torch.cat([m.reshape(-1) for m in mean_list])
         flat = self._flat_state(mean_list)
         n_mc = max(1, self.mc_samples)
+        fresh = self._t % self.curvature_every == 0  # estimate ĥ on this step (every step unless curvature_every)
         if flat.s is None:  # S = S₀ + D (kept from the last update while neither was replaced)
             flat.s = flat.s0 + flat.data
         price = self.curvature == "price"
@@ -756,24 +769,32 @@ class BayesianLearningRule(torch.optim.Optimizer):
                     g = g_data if g_d is g_data_d else flat.cat(g_d)
                     # one sample in one process: ĥ is formed inside the update (diag_update's h_from_sample)
                     h = g_data if n_mc == 1 and not self._dp else torch.mul(g_data, eps).div_(r)  # type: ignore[arg-type]
-                else:
+                elif fresh:
                     loss, g_d, h_d = self._estimates(closure, theta_d, None, None)
                     g, h = flat.cat(g_d), flat.cat(h_d)  # type: ignore[arg-type]
-                loss = self._reduce_estimates(loss, [g], [h])
+                else:  # a step without a curvature estimate (curvature_every): the gradient only
+                    losses, _, g_d, pen = self._gradients(closure, theta_d)
+                    loss, g, h = self._mean_loss(losses) + pen, flat.cat(g_d), None
+                loss = self._reduce_estimates(loss, [g], [h] if h is not None else [])
                 loss_sum = loss_sum + loss
                 if g_sum is None:
                     g_sum, h_sum = g, h
                 else:
                     g_sum.add_(g)
-                    h_sum.add_(h)  # type: ignore[union-attr]
-        assert g_sum is not None and h_sum is not None
+                    if h is not None:
+                        h_sum.add_(h)  # type: ignore[union-attr]
+        assert g_sum is not None
         if n_mc > 1:
             g_sum.div_(n_mc)
-            h_sum.div_(n_mc)
+            if h_sum is not None:
+                h_sum.div_(n_mc)
         h_from_sample = price and n_mc == 1 and not self._dp
         t = self._t + 1
+        k = self.curvature_every
+        if k > 1:  # the rate per estimate, so that D still averages over ~1/ρ steps; debiased over the estimates
+            rho = 1 - (1 - rho) ** k
         if self.debias:
-            rho = rho / (1 - (1 - rho) ** t)
+            rho = rho / (1 - (1 - rho) ** ((t - 1) // k + 1))
         use_mom = beta1 > 0
         if use_mom and flat.mom is None:  # u₀ = 0: the first average is (1 − β₁) d
             flat.mom = torch.zeros_like(mean)
@@ -783,12 +804,12 @@ class BayesianLearningRule(torch.optim.Optimizer):
         if self.fused:
             scalars = tuple(torch.tensor(v, dtype=mean.dtype, device=mean.device) for v in scalars)
         new_mean, mom, data, s, check = update(
-            g_sum, h_sum, mean, flat.m0, flat.s0, flat.data, flat.mom if use_mom else g_sum,
-            eps if h_from_sample else mean, r if h_from_sample else mean, *scalars, positivity=price,
-            h_from_sample=h_from_sample, momentum=use_mom, clip=self.clip_radius is not None,
-            damping=self.damping > 0)
+            g_sum, h_sum if h_sum is not None else g_sum, mean, flat.m0, flat.s0, flat.data,
+            flat.mom if use_mom else g_sum, eps if h_from_sample else mean, r if h_from_sample else mean, *scalars,
+            positivity=price, h_from_sample=h_from_sample, momentum=use_mom, clip=self.clip_radius is not None,
+            damping=self.damping > 0, fresh=h_sum is not None)
         if not bool(torch.isfinite(check + loss_sum)):  # nothing kept yet: name the culprit and stop
-            h_d = flat.views(h_sum * eps / r if h_from_sample else h_sum)  # type: ignore[operator]
+            h_d = flat.views(h_sum * eps / r if h_from_sample else h_sum if h_sum is not None else 0 * g_sum)  # type: ignore[operator]
             self._check_finite(loss_sum, flat.views(g_sum), h_d)  # type: ignore[arg-type]
             raise DivergenceError(f"BLR step {t}: the update is not finite; lower lr (α), or bound the "
                                   "step with damping or clip_radius")
@@ -867,8 +888,9 @@ def _scale_curv(a: object, s: float) -> object:
 
 def diag_update(g: Tensor, h: Tensor, mean: Tensor, m0: Tensor, s0: Tensor, data: Tensor, mom: Tensor,
                 eps: Tensor, r: Tensor, one_minus_beta1: float | Tensor, rho: float | Tensor,
-                scale: float | Tensor, radius: float | Tensor, damp: float | Tensor, *, positivity: bool, h_from_sample: bool, momentum: bool, clip: bool,
-                damping: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                scale: float | Tensor, radius: float | Tensor, damp: float | Tensor, *, positivity: bool,
+                h_from_sample: bool, momentum: bool, clip: bool, damping: bool,
+                fresh: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The diagonal BLR update after the estimates, on flat vectors (the module docstring's algorithm):
 
         ĥ = ĝ_data ∘ ε / r  (``h_from_sample``: the Price estimate ĝ_data ∘ (θ − m) ∘ S with θ − m = ε r,
@@ -877,7 +899,8 @@ def diag_update(g: Tensor, h: Tensor, mean: Tensor, m0: Tensor, s0: Tensor, data
         D ← D + ρ (ĥ − D)   [D − ρ (D − ĥ) + ½ ρ² (D − ĥ)² / D with ``positivity``]
         S = S₀ + D;   m ← m − scale · clip_r(u / (S + Nγ))          (``clip``, ``damping``)
 
-    with ``scale`` = α / (1 − β₁ᵗ) (Adam's bias correction of u) and ρ the step's (debiased) rate.
+    with ``scale`` = α / (1 − β₁ᵗ) (Adam's bias correction of u) and ρ the step's (debiased) rate; with
+    ``fresh`` False (a step without an estimate, ``curvature_every``) D is kept and ``h`` ignored.
     Returns (m, u, D, S, Σĝ + Σĥ) as new tensors — the last is the caller's finiteness check, made before
     anything is kept. The inputs are never written (in-place ops touch fresh temporaries only: few
     allocations eager), so ``torch.compile`` can fuse the whole update into one pass over memory
@@ -887,13 +910,13 @@ def diag_update(g: Tensor, h: Tensor, mean: Tensor, m0: Tensor, s0: Tensor, data
     """
     if h_from_sample:
         h = torch.mul(h, eps).div_(r)
-    check = g.sum() + h.sum()
+    check = g.sum() + h.sum() if fresh else g.sum()
     d = torch.sub(mean, m0).mul_(s0).add_(g)
     u = torch.lerp(mom, d, one_minus_beta1) if momentum else d
-    if positivity:
+    if fresh and positivity:
         diff = torch.sub(data, h)
         data = diff.square().div_(data).mul_(0.5 * rho * rho).add_(data).sub_(diff.mul_(rho))
-    else:
+    elif fresh:
         data = torch.lerp(data, h, rho)
     s = torch.add(s0, data)
     step = torch.div(u, torch.add(s, damp) if damping else s)
