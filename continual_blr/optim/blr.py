@@ -102,8 +102,8 @@ from ..posteriors import DiagPosterior, FullPosterior, GaussianPosterior, KronPo
 from ..types import DivergenceError, KronCurvature, ParamDict, Structure, flatten, unflatten
 from .closures import BatchClosure
 
-__all__ = ["BayesianLearningRule", "BatchClosure", "VON", "VOGN", "blr_data_update", "blr_mean_update", "diag_update",
-           "assemble_posterior", "data_part", "CURVATURES", "ENGINE_CURVATURES"]
+__all__ = ["BayesianLearningRule", "BatchClosure", "VON", "VOGN", "blr_data_update", "blr_mean_update",
+           "diag_update", "assemble_posterior", "data_part", "CURVATURES", "ENGINE_CURVATURES"]
 
 Closure = Callable[[ParamDict], "Tensor | tuple[Tensor, Tensor]"]
 ENGINE_CURVATURES = ("empirical_fisher", "ggn", "mc_fisher")
