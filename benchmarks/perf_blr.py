@@ -41,7 +41,7 @@ from continual_blr.models import MLP
 from continual_blr.types import Batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from perf_fromp import _interleaved  # noqa: E402  (the shared interleaved median timer)
+from perf_fromp import _interleaved, _split_mnist_config, add_end_to_end_args, timed_runs, write_end_to_end  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH, N_TRAIN = 128, 12_000
@@ -147,29 +147,22 @@ def end_to_end(data_dir: str | None, quick: bool, benchmark: str = "split_mnist"
     """CPU seconds of the ``none`` run and of the ``blr`` run (eager and ``fused_step``) of one benchmark
     config, in this invocation (the issue's target: a split-MNIST BLR run ≤ 1.5× the CPU of ``none``)."""
     import dataclasses
-    import time
 
-    from perf_fromp import _split_mnist_config  # noqa: E402  (the config loader of the FROMP end-to-end run)
-
-    from continual_blr.runner import run_config
-
-    run_config(_split_mnist_config("none", None, True, "split_digits"), save=False)  # warm-up: imports, first calls
-    rows = []
+    cfgs = []
     for label, method, fused in (("none", "none", False), ("blr", "blr", False), ("blr, fused_step", "blr", True)):
         cfg = _split_mnist_config(method, data_dir, quick, benchmark)
         if fused:
             spec = cfg.methods[0]
             cfg.methods[0] = dataclasses.replace(spec, params={**spec.params, "fused_step": True})
-        c0, w0 = time.process_time(), time.perf_counter()
-        (res,) = run_config(cfg, save=False)
-        rows.append((label, time.process_time() - c0, time.perf_counter() - w0, 100 * res.avg_acc))
-    none_cpu = rows[0][1]
+        cfgs.append((label, cfg))
+    runs = timed_runs(cfgs)
+    none_cpu = runs["none"][0]
     lines = [f"# BLR end to end on {benchmark} ({'QUICK: epochs / 5' if quick else 'full budget'})", "",
              f"Command: `python benchmarks/perf_blr.py --end-to-end --benchmark {benchmark}{' --quick' if quick else ''} "
              f"--data-dir $CONTINUAL_BLR_DATA --threads {torch.get_num_threads()}`; configs/{benchmark}/none.yaml and "
              f"blr.yaml (seed 0), torch threads {torch.get_num_threads()}, {platform.machine()}, torch {torch.__version__}.",
              "", "| run | CPU (s) | × none | wall (s) | final avg acc (%) |", "|---|---|---|---|---|"]
-    for label, cpu, wall, acc in rows:
+    for label, (cpu, wall, acc) in runs.items():
         lines.append(f"| {label} | {cpu:.1f} | {cpu / none_cpu:.2f} | {wall:.1f} | {acc:.2f} |")
     lines += ["", "Target (issue 14): the BLR run ≤ 1.5× the CPU time of the none run. The `fused_step` run includes "
               "its compile (seconds; cached on disk after the first)."]
@@ -182,21 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "perf_blr.md"))
     ap.add_argument("--no-write", action="store_true", help="print only")
-    ap.add_argument("--end-to-end", action="store_true",
-                    help="CPU time of a whole none / blr / blr fused_step run of --benchmark instead of step times")
-    ap.add_argument("--benchmark", default="split_mnist", help="--end-to-end: the configs/ folder")
-    ap.add_argument("--data-dir", help="data root for --end-to-end (else $CONTINUAL_BLR_DATA)")
-    ap.add_argument("--quick", action="store_true", help="--end-to-end with epochs / 5")
+    add_end_to_end_args(ap, "CPU time of a whole none / blr / blr fused_step run of --benchmark instead of step times",
+                        "--end-to-end: the configs/ folder")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     command = ("python benchmarks/perf_blr.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
     if args.end_to_end:
-        text = end_to_end(args.data_dir, args.quick, args.benchmark)
-        print(text)
-        if not args.no_write:
-            out = ROOT / "benchmarks" / "results" / f"perf_blr_end_to_end_{args.benchmark}{'_quick' if args.quick else ''}.md"
-            out.write_text(text)
-            print(f"wrote {out}")
+        write_end_to_end("blr", args, end_to_end(args.data_dir, args.quick, args.benchmark))
         return 0
     text = report(run(args.steps), args.steps, args.threads, command)
     print(text)

@@ -38,6 +38,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -216,6 +217,38 @@ _PROFILE_ROWS = [
 ]
 
 
+def timed_runs(cfgs: list[tuple[str, Any]]) -> dict[str, tuple[float, float, float]]:
+    """Whole runs of ``(label, RunConfig)`` pairs in this process, after one warm-up run (imports, first
+    calls): label -> (CPU s, wall s, final average accuracy %). The end-to-end modes of the perf scripts."""
+    from continual_blr.runner import run_config
+
+    run_config(_split_mnist_config("none", None, True, "split_digits"), save=False)
+    out = {}
+    for label, cfg in cfgs:
+        c0, w0 = time.process_time(), time.perf_counter()
+        (res,) = run_config(cfg, save=False)
+        out[label] = (time.process_time() - c0, time.perf_counter() - w0, 100 * res.avg_acc)
+    return out
+
+
+def add_end_to_end_args(ap: argparse.ArgumentParser, what: str, benchmark_help: str) -> None:
+    """The ``--end-to-end`` options shared by the perf scripts."""
+    ap.add_argument("--end-to-end", action="store_true", help=what)
+    ap.add_argument("--data-dir", help="data root for --end-to-end (else $CONTINUAL_BLR_DATA)")
+    ap.add_argument("--quick", action="store_true", help="--end-to-end with epochs / 5")
+    ap.add_argument("--benchmark", default="split_mnist", help=benchmark_help)
+
+
+def write_end_to_end(script: str, args: argparse.Namespace, text: str) -> None:
+    """Print an end-to-end report and (unless ``--no-write``) save it as
+    ``benchmarks/results/perf_<script>_end_to_end_<benchmark>[_quick].md``."""
+    print(text)
+    if not args.no_write:
+        out = ROOT / "benchmarks" / "results" / f"perf_{script}_end_to_end_{args.benchmark}{'_quick' if args.quick else ''}.md"
+        out.write_text(text)
+        print(f"wrote {out}")
+
+
 def end_to_end(data_dir: str | None, quick: bool, benchmark: str = "split_mnist") -> str:
     """CPU seconds of the split-MNIST ``none`` and ``fromp`` runs in this invocation, and the FROMP profile."""
     import cProfile
@@ -223,15 +256,9 @@ def end_to_end(data_dir: str | None, quick: bool, benchmark: str = "split_mnist"
 
     from continual_blr.runner import run_config
 
-    cpu: dict[str, float] = {}
-    accs: dict[str, float] = {}
-    run_config(_split_mnist_config("none", None, True, "split_digits"), save=False)  # warm-up: imports, first calls
-    for method in ("none", "fromp"):
-        cfg = _split_mnist_config(method, data_dir, quick, benchmark)
-        c0 = time.process_time()
-        (res,) = run_config(cfg, save=False)
-        cpu[method] = time.process_time() - c0
-        accs[method] = 100 * res.avg_acc
+    runs = timed_runs([(m, _split_mnist_config(m, data_dir, quick, benchmark)) for m in ("none", "fromp")])
+    cpu = {m: r[0] for m, r in runs.items()}
+    accs = {m: r[2] for m, r in runs.items()}
     prof = cProfile.Profile()
     prof.enable()
     run_config(_split_mnist_config("fromp", data_dir, quick, benchmark), save=False)
@@ -261,19 +288,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (the reference used 2 cores)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "perf_fromp.md"))
     ap.add_argument("--no-write", action="store_true", help="print only")
-    ap.add_argument("--end-to-end", action="store_true",
-                    help="time the split-MNIST none and fromp runs (configs/split_mnist) in this invocation")
-    ap.add_argument("--data-dir", help="data root for --end-to-end (else $CONTINUAL_BLR_DATA)")
-    ap.add_argument("--quick", action="store_true", help="--end-to-end with epochs / 5")
-    ap.add_argument("--benchmark", default="split_mnist", help="--end-to-end: the configs/ folder (split_digits: a smoke run)")
+    add_end_to_end_args(ap, "time the split-MNIST none and fromp runs (configs/split_mnist) in this invocation",
+                        "--end-to-end: the configs/ folder (split_digits: a smoke run)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.end_to_end:
-        text = end_to_end(args.data_dir, args.quick, args.benchmark)
-        print(text)
-        if not args.no_write:
-            out = ROOT / "benchmarks" / "results" / f"perf_fromp_end_to_end_{args.benchmark}{'_quick' if args.quick else ''}.md"
-            out.write_text(text)
+        write_end_to_end("fromp", args, end_to_end(args.data_dir, args.quick, args.benchmark))
         return 0
     load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     res = run(args.steps, args.rebuilds, args.n_train)

@@ -33,8 +33,8 @@ def _regression(gen, n=200, d=4, sigma=0.5):
     return x, y, sigma
 
 
-@pytest.mark.parametrize("safeguard", [{}, {"damping": 5.0}, {"clip_radius": 0.02}],
-                         ids=["plain", "damped", "clipped"])
+@pytest.mark.parametrize("safeguard", [{}, {"damping": 5.0}, {"clip_radius": 0.02}, {"curvature_every": 4}],
+                         ids=["plain", "damped", "clipped", "curvature-every-4"])
 def test_stochastic_blr_fixed_point_is_the_exact_posterior(gen, safeguard):
     """Diagonal BLR with weight samples (mc 1) and ρ < 1 on Bayesian linear regression (float64), through the
     loop's closure (``BatchClosure`` with the Gaussian likelihood) and the engine's exact GGN, which for a
@@ -43,7 +43,8 @@ def test_stochastic_blr_fixed_point_is_the_exact_posterior(gen, safeguard):
     The fixed point is the mean-field optimum: precision S₀ + diag(ZᵀZ)/σ² and the exact posterior mean
     (E_q[∇ℓ(θ)] = ∇ℓ(m) for a quadratic loss, so E[û] = 0 at the full posterior's mean). Damping and
     clipping act on the step only and must reach the same point: the average of the last iterates is
-    compared with the closed form within a Monte-Carlo tolerance.
+    compared with the closed form within a Monte-Carlo tolerance. So must ``curvature_every=k`` (ĥ on every
+    k-th step only, at the rate 1 − (1 − ρ)ᵏ), and ĥ must really be estimated on steps 1, k+1, 2k+1, … only.
     """
     x, y, sigma = _regression(gen)
     d, n, delta = x.shape[1], x.shape[0], 3.0
@@ -54,6 +55,13 @@ def test_stochastic_blr_fixed_point_is_the_exact_posterior(gen, safeguard):
     opt = BayesianLearningRule(model, prior, n_data=n, lr=0.2, rho=0.1, mc_samples=1, curvature="ggn", debias=True,
                                generator=torch.Generator().manual_seed(0), **safeguard)
     closure = BatchClosure(model, x, y, head=0, likelihood="regression", sigma=sigma)
+    estimates, calls = opt._estimates, []
+
+    def counted(*args, **kwargs):  # the steps that estimate ĥ
+        calls.append(opt._t)
+        return estimates(*args, **kwargs)
+
+    opt._estimates = counted  # type: ignore[method-assign]
     means, precs = [], []
     for t in range(3000):
         opt.step(closure)
@@ -61,6 +69,8 @@ def test_stochastic_blr_fixed_point_is_the_exact_posterior(gen, safeguard):
             post = opt.posterior()
             means.append(torch.cat([post.mean[k].reshape(-1) for k in names]))
             precs.append(torch.cat([post.precision[k].reshape(-1) for k in names]))
+    every = safeguard.get("curvature_every", 1)
+    assert calls[:4] == [0, every, 2 * every, 3 * every] and len(calls) == 3000 // every
     z = torch.cat([x, torch.ones(n, 1, dtype=DT)], 1)
     h = z.T @ z / sigma**2
     z0 = torch.cat([m0[k].reshape(-1) for k in names])
@@ -273,43 +283,6 @@ def test_fused_step_equals_the_eager_step(gen, curvature, extra):
         torch.testing.assert_close(u_f[k], u_e[k], rtol=FUSED_RTOL, atol=1e-14)
     # the run moved the state: a comparison of untouched copies would pass trivially
     assert max(float((m_e[k] - prior.mean[k]).abs().max()) for k in m_e) > 1e-3
-
-
-def test_curvature_every_k_steps_keeps_the_fixed_point(gen):
-    """``curvature_every=k`` estimates ĥ on every k-th step only, with the rate 1 − (1 − ρ)ᵏ: on Bayesian linear
-    regression (float64, exact GGN) the averaged iterates still reach the mean-field optimum — precision
-    S₀ + diag(ZᵀZ)/σ² and the exact posterior mean — within the Monte-Carlo tolerance of the every-step test;
-    and ĥ is really skipped: it is estimated on steps 1, k+1, 2k+1, … only."""
-    x, y, sigma = _regression(gen)
-    d, n, delta, k = x.shape[1], x.shape[0], 3.0, 4
-    model = MLP(d, (), 1, 1).to(DT)
-    names = ["heads.0.weight", "heads.0.bias"]
-    m0 = {"heads.0.weight": torch.randn(1, d, generator=gen, dtype=DT), "heads.0.bias": torch.randn(1, generator=gen, dtype=DT)}
-    opt = BayesianLearningRule(model, DiagPosterior(m0, delta), n_data=n, lr=0.2, rho=0.1, mc_samples=1,
-                               curvature="ggn", debias=True, generator=torch.Generator().manual_seed(0),
-                               curvature_every=k)
-    closure = BatchClosure(model, x, y, head=0, likelihood="regression", sigma=sigma)
-    estimates, calls = opt._estimates, []
-
-    def counted(*args, **kwargs):
-        calls.append(opt._t)
-        return estimates(*args, **kwargs)
-
-    opt._estimates = counted  # type: ignore[method-assign]
-    means, precs = [], []
-    for t in range(3000):
-        opt.step(closure)
-        if t >= 1000:
-            post = opt.posterior()
-            means.append(torch.cat([post.mean[key].reshape(-1) for key in names]))
-            precs.append(torch.cat([post.precision[key].reshape(-1) for key in names]))
-    assert calls[:4] == [0, k, 2 * k, 3 * k] and len(calls) == 3000 // k  # ĥ on steps 1, k+1, 2k+1, … only
-    z = torch.cat([x, torch.ones(n, 1, dtype=DT)], 1)
-    h = z.T @ z / sigma**2
-    z0 = torch.cat([m0[key].reshape(-1) for key in names])
-    exact_mean = torch.linalg.solve(h + delta * torch.eye(d + 1, dtype=DT), z.T @ y / sigma**2 + delta * z0)
-    torch.testing.assert_close(torch.stack(precs).mean(0), torch.diagonal(h) + delta, rtol=1e-10, atol=0)
-    torch.testing.assert_close(torch.stack(means).mean(0), exact_mean, **FIXED_POINT_MC)
 
 
 def test_curvature_every_is_diagonal_and_not_price():
