@@ -479,7 +479,11 @@ def test_multihead_heads_added_mid_stream(av, name, tmp_path):
 
     stream = _stream()
     benchmark = av.stream_to_benchmark(stream)
-    plugin = av.MethodPlugin(name, _params(name), seed=0)
+    # VCL: the mean network's accuracy. After 10 steps on 100 examples its carried posterior is honestly wide
+    # (precision 3-60 against the 400 of its start, which no longer leaks into q), and 3 predictive samples
+    # of it score near chance; what this test checks is that every head added mid-stream learns.
+    params = {**_params(name), "predict_samples": 0} if name == "vcl" else _params(name)
+    plugin = av.MethodPlugin(name, params, seed=0)
     log = open(tmp_path / "log.txt", "w")
     with torch.random.fork_rng():  # Avalanche draws new heads, dropout and shuffling from the global RNG
         torch.manual_seed(0)
@@ -577,7 +581,7 @@ def test_blr_optimizer_survives_avalanche_resets(av, structure):
         def before_training_iteration(self, strategy, **kwargs):
             if strategy.clock.train_exp_iterations == 0:
                 opt = plugin.optimizer
-                seen.append((opt, opt.prior, opt.posterior().covariance_diag()))
+                seen.append((opt, opt.prior, opt.preconditioner().covariance_diag()))
 
     stream = _stream()
     benchmark = av.stream_to_benchmark(stream)
@@ -610,7 +614,7 @@ def test_blr_optimizer_survives_avalanche_resets(av, structure):
     sv = prior1.precision_matvec(v)
     torch.testing.assert_close(sv[body], ends[0].precision_matvec({k: v[k] for k in ends[0].mean})[body])
     torch.testing.assert_close(sv[head1], 2.0 * v[head1])
-    # ... and the new head's posterior starts at the initial precision 4
+    # ... and the new head's step starts at the initial precision 4 (its carried posterior holds no start)
     torch.testing.assert_close(start1[head1], torch.full_like(start1[head1], 0.25))
     assert all(float(p.detach().abs().max()) < 10 for p in model.parameters())
     assert all(p.grad is None for p in model.parameters())

@@ -478,7 +478,7 @@ class MethodPlugin(SupervisedPlugin):
             raise TypeError(f"method {self.method.name!r}: make_optimizer returned {type(fresh_opt).__name__} "
                             "after setup on the grown model; expected a BayesianLearningRule")
         prior = _join(optimizer.prior, _restrict(fresh_opt.prior, new))
-        start = _join(optimizer.posterior(), _restrict(fresh_opt.posterior(), new))
+        start = _join(optimizer.preconditioner(), _restrict(fresh_opt.preconditioner(), new))
         optimizer.rebuild(view, prior, start)
 
     @staticmethod

@@ -101,6 +101,7 @@ from ..curvature.estimates import curvature_tensors
 from ..posteriors import DiagPosterior, FullPosterior, GaussianPosterior, KronPosterior, nearest_kronecker
 from ..types import DivergenceError, KronCurvature, ParamDict, Structure, flatten, unflatten
 from .closures import BatchClosure
+from .diag_state import FlatDiagState, diag_update, fused_diag_update
 
 __all__ = ["BayesianLearningRule", "BatchClosure", "VON", "VOGN", "blr_data_update", "blr_mean_update",
            "diag_update", "assemble_posterior", "data_part", "CURVATURES", "ENGINE_CURVATURES"]
@@ -113,41 +114,22 @@ CURVATURES = ("price", "gauss_newton", "hessian") + ENGINE_CURVATURES
 # ----------------------------------------------------------------------------------------------
 # Pure update functions (one per line of the algorithm in the module docstring)
 # ----------------------------------------------------------------------------------------------
-def _diag_data_update_(data: list[Tensor], h: list[Tensor], rho: float, positivity: bool) -> None:
-    """In place over tensor lists: D ← (1 − ρ) D + ρ ĥ [+ ½ ρ² (D − ĥ)² / D] (see :func:`blr_data_update`)."""
-    if positivity:  # D − ρ(D − ĥ) + ½ρ²(D − ĥ)²/D
-        diff = torch._foreach_sub(data, h)
-        quad = torch._foreach_div(torch._foreach_mul(diff, diff), data)
-        torch._foreach_add_(data, diff, alpha=-rho)
-        torch._foreach_add_(data, quad, alpha=0.5 * rho**2)
-    else:
-        torch._foreach_lerp_(data, h, rho)
-
-
-def blr_data_update(data: object, h: object, rho: float, positivity: bool = False) -> object:
+def blr_data_update(data: object, h: object, rho: float) -> object:
     """D ← (1 − ρ) D + ρ ĥ, the data part of the precision S = S₀ + D, in its structure.
 
     ``data`` and ``h`` are ParamDicts (diag), dense matrices (full), or for Kronecker pairs
     ``(blocks, diag)`` with ``blocks[w] = (A, G)`` (a missing layer is a zero term) and a ParamDict for
     parameters outside the layers. The Kronecker result is one term per layer: the nearest Kronecker
-    product of (1 − ρ) A_D ⊗ G_D + ρ A_ĥ ⊗ G_ĥ (PSD for PSD terms, so D ⪰ 0 stays true).
-
-    With ``positivity`` (diag only) the IVON correction ½ ρ² (D − ĥ)² / D is added, which keeps D > 0
-    for any sign of ĥ (see the module docstring); its fixed point is still D = ĥ.
+    product of (1 − ρ) A_D ⊗ G_D + ρ A_ĥ ⊗ G_ĥ (PSD for PSD terms, so D ⪰ 0 stays true). The diagonal
+    step with the Price estimator's positivity correction is :func:`continual_blr.optim.diag_state.diag_update`.
     """
     if isinstance(data, dict):
         assert isinstance(h, dict)
         names = list(data)
-        out = [data[k].clone() for k in names]
-        _diag_data_update_(out, [h[k] for k in names], rho, positivity)
-        return dict(zip(names, out))
+        return dict(zip(names, torch._foreach_lerp([data[k] for k in names], [h[k] for k in names], rho)))
     if isinstance(data, Tensor):
-        if positivity:
-            raise ValueError("positivity correction: only for the diagonal structure")
         return (1 - rho) * data + rho * h  # type: ignore[operator]
     (d_blocks, d_diag), (h_blocks, h_diag) = data, h  # type: ignore[misc]
-    if positivity:
-        raise ValueError("positivity correction: only for the diagonal structure")
     blocks = {}
     for w in set(d_blocks) | set(h_blocks):
         parts = []
@@ -386,9 +368,13 @@ class BayesianLearningRule(torch.optim.Optimizer):
         self.fused = bool(fused)
         self.curvature_every = int(curvature_every)
         self._data = data_part(prior, init_precision) if init_precision is not None else _data_like(prior, 0.0)
+        self._avg: object | None = None  # the carried average D̄ (None: not yet made, or D itself; see _separate)
+        self._n_est = 0  # curvature estimates made in this task (the carried average's debiasing count)
         self._momentum: ParamDict | None = None
-        self._flat: _FlatDiag | None = None  # the diagonal step's flat buffers (see _flat_state)
+        self._flat: FlatDiagState | None = None  # the diagonal step's flat buffers (see _flat_state)
         self._t = 0
+        self._clip_count: Tensor | None = None
+        self._clip_total = 0
         self._dp, self._dp_total, self._dp_empty = False, None, False  # per step (_begin_data_parallel)
         #: data parallel only: each rank draws its own weight sample (IVON's per-rank seeds; see the module docstring)
         self.rank_samples = False
@@ -420,20 +406,40 @@ class BayesianLearningRule(torch.optim.Optimizer):
     def _current_mean(self) -> ParamDict:
         return {k: p.detach().clone() for k, p in self._params().items()}
 
-    def posterior(self, temperature: float = 1.0) -> GaussianPosterior:
-        """The current posterior q = N(m, S₀ + D/T) (mean = the model's current weights).
+    @property
+    def _separate(self) -> bool:
+        """Whether the carried average D̄ needs a buffer of its own: with the Price estimator's positivity
+        correction, or without the debiased rate (then D keeps a share of its start); otherwise D = D̄."""
+        return self.curvature == "price" or not self.debias
 
-        ``temperature`` T divides the data part: T = 1 is the BLR's posterior; T < 1 gives the colder
-        prior a tempered method carries to the next task (online Laplace's T; S ⪰ S₀ for every T > 0).
+    def posterior(self, temperature: float = 1.0) -> GaussianPosterior:
+        """The current posterior q = N(m, S₀ + D̄/T) (mean = the model's current weights).
+
+        D̄ is the debiased average of this task's curvature estimates (``data_precision``): no start value
+        (``init_hess``, ``init_precision``) and no positivity correction enter it, so before the first step
+        and on parameters no example touched it is 0 and q is the prior. ``temperature`` T divides it: T = 1
+        is the BLR's posterior; T < 1 gives the colder prior a tempered method carries to the next task
+        (online Laplace's T; S ⪰ S₀ for every T > 0).
         """
         if not temperature > 0:
             raise ValueError(f"temperature: must be > 0, got {temperature}")
-        return assemble_posterior(self._current_mean(), self.prior, self._data, scale=1.0 / temperature)
+        return assemble_posterior(self._current_mean(), self.prior, self.data_precision, scale=1.0 / temperature)
+
+    def preconditioner(self) -> GaussianPosterior:
+        """N(m, S₀ + D): the step's Gaussian (its preconditioner and the one weight samples come from), which
+        holds the start value and, with the Price estimator, the positivity correction's upward bias."""
+        return assemble_posterior(self._current_mean(), self.prior, self._data)
 
     @property
     def data_precision(self) -> object:
-        """D = S − S₀, the precision the current task's data added (structure as in :func:`blr_data_update`)."""
-        return self._data
+        """D̄ ⪰ 0, the precision the current task's data added to the prior (structure as in
+        :func:`blr_data_update`; diagonal: the average clamped at 0)."""
+        if self._n_est == 0:
+            return _data_like(self.prior, 0.0)
+        avg = self._avg if self._separate else self._data
+        if isinstance(avg, dict):
+            return {k: v.clamp_min(0) for k, v in avg.items()}
+        return avg
 
     def set_prior(self, prior: GaussianPosterior) -> None:
         """Make ``prior`` the prior (e.g. the posterior of the task just finished).
@@ -445,6 +451,8 @@ class BayesianLearningRule(torch.optim.Optimizer):
             raise ValueError("set_prior: the new prior must cover the same parameters in the same structure")
         self.prior = prior
         self._data = _data_like(prior, 0.0)
+        self._avg = None
+        self._n_est = 0
         self._momentum = None
         self._t = 0
 
@@ -457,9 +465,9 @@ class BayesianLearningRule(torch.optim.Optimizer):
             yield sample
 
     def _sampler(self, mean: ParamDict) -> GaussianPosterior:
-        """The Gaussian weight samples are drawn from: q itself (Kronecker: its nearest-Kronecker merge)."""
-        q = assemble_posterior(mean, self.prior, self._data)
-        return q.merged() if isinstance(q, KronPosterior) else q
+        """The Gaussian weight samples are drawn from: the step's N(m, (S₀ + D)⁻¹), in every structure exactly
+        (Kronecker blocks with several terms by perturb-and-solve, :meth:`KronPosterior.sample_noise`)."""
+        return assemble_posterior(mean, self.prior, self._data)
 
     # ----- the step ----------------------------------------------------------------------------
     def _estimates(self, closure: Closure, theta: ParamDict, noise: ParamDict | None,
@@ -692,12 +700,13 @@ class BayesianLearningRule(torch.optim.Optimizer):
             prev = self._momentum if self._momentum is not None else {k: torch.zeros_like(v) for k, v in d.items()}
             self._momentum = {k: beta1 * prev[k] + (1 - beta1) * d[k] for k in d}
             d = {k: v / (1 - beta1**self._t) for k, v in self._momentum.items()}
-        if self.debias:
-            rho = rho / (1 - (1 - rho) ** self._t)
-        self._data = blr_data_update(self._data, h_avg, rho)
+        rho_step, rho_avg = self._rates(rho)
+        self._n_est += 1
+        self._data = blr_data_update(self._data, h_avg, rho_step)
+        if self._separate:
+            avg = self._avg if self._avg is not None else _data_like(self.prior, 0.0)
+            self._avg = blr_data_update(avg, h_avg, rho_avg)
         precond = assemble_posterior(mean, self.prior, self._data, extra=self.n_data * self.damping)
-        if isinstance(precond, KronPosterior):
-            precond = precond.merged()
         new_mean = blr_mean_update(precond, d, lr, self.clip_radius)
         for k, p in params.items():
             p.copy_(new_mean[k])
@@ -710,10 +719,9 @@ class BayesianLearningRule(torch.optim.Optimizer):
             raise DivergenceError(f"BLR step {self._t + 1}: the minibatch {bad} is not finite (loss {float(loss)}); "
                                   "lower lr (α), or bound the step with damping or clip_radius")
 
-    def _flat_state(self, mean: list[Tensor]) -> _FlatDiag:
-        """The diagonal step's flat buffers, rebuilt only when the prior, D or the momentum were replaced
-        (``set_prior``, ``load_state_dict``, ``rebuild``, the ``init_hess`` start); ``self._data`` and
-        ``self._momentum`` are dicts of views into them, so the public state stays ParamDicts."""
+    def _flat_state(self, mean: list[Tensor]) -> FlatDiagState:
+        """The diagonal step's flat buffers, rebuilt only when the prior, D, D̄ or the momentum were replaced
+        (``set_prior``, ``load_state_dict``, ``rebuild``, the ``init_hess`` start)."""
         flat = self._flat
         if flat is None or flat.prior is not self.prior or flat.numels != [m.numel() for m in mean]:
             if len({(m.dtype, m.device) for m in mean}) != 1:
@@ -721,27 +729,21 @@ class BayesianLearningRule(torch.optim.Optimizer):
                                  f"device; got {sorted({(str(m.dtype), str(m.device)) for m in mean})}")
             prior = self.prior
             assert isinstance(prior, DiagPosterior)
-            flat = _FlatDiag(prior, self.names, [m.numel() for m in mean], [m.shape for m in mean])
+            flat = FlatDiagState(prior, self.names, [m.numel() for m in mean], [m.shape for m in mean])
             self._flat = flat
-        if self._data is not flat.data_views:
-            flat.data = torch.cat([self._data[k].reshape(-1) for k in self.names])  # type: ignore[index]
-            flat.data_views = self._data = flat.views(flat.data)
-            flat.s = None
-        if self._momentum is None:
-            flat.mom = flat.mom_views = None
-        elif self._momentum is not flat.mom_views:
-            flat.mom = torch.cat([self._momentum[k].reshape(-1) for k in self.names])
-            flat.mom_views = self._momentum = flat.views(flat.mom)
+        if self._separate and self._avg is None:
+            self._avg = _data_like(self.prior, 0.0)  # type: ignore[assignment]
+        flat.sync(self._data, self._avg if self._separate else None, self._momentum)  # type: ignore[arg-type]
+        self._data, self._avg = flat.data_views, flat.avg_views  # type: ignore[assignment]
+        self._momentum = flat.mom_views
         return flat
 
     def _diag_step(self, closure: Closure, lr: float, rho: float, beta1: float) -> Tensor:
-        """The diagonal step on flat vectors (the hot path: the same algebra as the generic step, one kernel
-        per line of the algorithm over all parameters instead of one per parameter tensor; with ``fused``
-        one compiled kernel for the whole update, :func:`diag_update`).
+        """The diagonal step on flat vectors (:mod:`continual_blr.optim.diag_state`): one kernel per line of
+        the algorithm over all parameters (with ``fused`` one compiled kernel, :func:`fused_diag_update`).
 
-        The mean is gathered from the model into one vector and written back once; S₀, m₀, D, S = S₀ + D
-        and the momentum live in flat buffers (``_FlatDiag``) whose per-parameter views are the
-        optimiser's ParamDict state.
+        Weight samples are drawn from the step's Gaussian N(m, (S₀ + D)⁻¹) (IVON's); the carried D̄ averages
+        the estimates made at them.
         """
         mean_list = [p.detach() for p in self._param_list]
         mean = torch.cat([m.reshape(-1) for m in mean_list])
@@ -790,43 +792,80 @@ class BayesianLearningRule(torch.optim.Optimizer):
                 h_sum.div_(n_mc)
         h_from_sample = price and n_mc == 1 and not self._dp
         t = self._t + 1
-        k = self.curvature_every
-        if k > 1:  # the rate per estimate, so that D still averages over ~1/ρ steps; debiased over the estimates
-            rho = 1 - (1 - rho) ** k
-        if self.debias:
-            rho = rho / (1 - (1 - rho) ** ((t - 1) // k + 1))
+        rho_step, rho_avg = self._rates(rho, fresh)
         use_mom = beta1 > 0
         if use_mom and flat.mom is None:  # u₀ = 0: the first average is (1 − β₁) d
             flat.mom = torch.zeros_like(mean)
-        scale = lr / (1 - beta1**t) if use_mom else lr
-        scalars = (1 - beta1, rho, scale, self.clip_radius or 0.0, self.n_data * self.damping)
-        update = _fused_diag_update() if self.fused else diag_update
+        unbias = 1 / (1 - beta1**t) if use_mom else 1.0
+        scalars = (1 - beta1, rho_step, rho_avg, unbias, lr, self.clip_radius or 0.0, self.n_data * self.damping)
+        update = fused_diag_update() if self.fused else diag_update
         if self.fused:
             scalars = tuple(torch.tensor(v, dtype=mean.dtype, device=mean.device) for v in scalars)
-        new_mean, mom, data, s, check = update(
+        separate = flat.avg is not None
+        new_mean, mom, data, avg, s, check, n_clip = update(
             g_sum, h_sum if h_sum is not None else g_sum, mean, flat.m0, flat.s0, flat.data,
-            flat.mom if use_mom else g_sum, eps if h_from_sample else mean, r if h_from_sample else mean, *scalars,
-            positivity=price, h_from_sample=h_from_sample, momentum=use_mom, clip=self.clip_radius is not None,
-            damping=self.damping > 0, fresh=h_sum is not None)
+            flat.avg if separate else mean, flat.mom if use_mom else g_sum, eps if h_from_sample else mean,
+            r if h_from_sample else mean, *scalars, positivity=price, h_from_sample=h_from_sample,
+            momentum=use_mom, clip=self.clip_radius is not None, damping=self.damping > 0,
+            fresh=h_sum is not None, separate=separate)
         if not bool(torch.isfinite(check + loss_sum)):  # nothing kept yet: name the culprit and stop
             h_d = flat.views(h_sum * eps / r if h_from_sample else h_sum if h_sum is not None else 0 * g_sum)  # type: ignore[operator]
             self._check_finite(loss_sum, flat.views(g_sum), h_d)  # type: ignore[arg-type]
             raise DivergenceError(f"BLR step {t}: the update is not finite; lower lr (α), or bound the "
                                   "step with damping or clip_radius")
         self._t = t
+        if h_sum is not None:
+            self._n_est += 1
         flat.data, flat.s = data, s
         flat.data_views = self._data = flat.views(data)
+        if separate:
+            flat.avg = avg
+            flat.avg_views = self._avg = flat.views(avg)
         if use_mom:
             flat.mom = mom
             flat.mom_views = self._momentum = flat.views(mom)
+        if self.clip_radius is not None:
+            self._count_clipped(n_clip, mean.numel())
         torch._foreach_copy_(mean_list, [v.view_as(m) for v, m in zip(flat.split(new_mean), mean_list)])
         return loss_sum / n_mc  # type: ignore[return-value]
+
+    def _rates(self, rho: float, fresh: bool = True) -> tuple[float, float]:
+        """(ρ_t of the step's D, ρ̄_t of the carried average D̄) for the step about to be made.
+
+        With ``curvature_every`` k > 1 the rate per estimate is 1 − (1 − ρ)ᵏ, so that D still averages over
+        ~1/ρ steps; debiasing counts the estimates made in the task (n), so ρ̄₁ = 1: D̄ starts at ĥ₁.
+        """
+        k = self.curvature_every
+        if k > 1:
+            rho = 1 - (1 - rho) ** k
+        n = self._n_est + (1 if fresh else 0)
+        debiased = rho / (1 - (1 - rho) ** max(n, 1))
+        # the Price step keeps IVON's plain rate: debiased, its first step would set D to one noisy estimate
+        step_debiased = self.debias and self.curvature != "price"
+        return (debiased if step_debiased else rho), debiased
+
+    def _count_clipped(self, n_clip: Tensor, numel: int) -> None:
+        """Accumulate the number of clipped coordinates (read by :meth:`pop_clipped_fraction`; no sync here)."""
+        self._clip_count = n_clip if self._clip_count is None else self._clip_count + n_clip
+        self._clip_total += numel
+
+    def pop_clipped_fraction(self) -> float | None:
+        """The fraction of coordinates whose preconditioned step the clip bounded since the last call (None
+        without a clip or before any step), and reset the count. The clip moves the fixed point when
+        weights are sampled (see the module docstring), so the loop logs this per epoch."""
+        if self._clip_count is None or self._clip_total == 0:
+            return None
+        frac = float(self._clip_count) / self._clip_total
+        self._clip_count, self._clip_total = None, 0
+        return frac
 
     # ----- persistence -------------------------------------------------------------------------
     def state_dict(self) -> dict:  # type: ignore[override]
         return {
             "prior": self.prior.state_dict(),
             "data": self._data,
+            "average": self._avg,
+            "n_estimates": self._n_est,
             "t": self._t,
             "momentum": self._momentum,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
@@ -838,6 +877,8 @@ class BayesianLearningRule(torch.optim.Optimizer):
         self.prior = load_posterior(state["prior"])
         self._data = state["data"]
         self._t = state["t"]
+        self._avg = state.get("average", None if self.debias and self.curvature != "price" else state["data"])
+        self._n_est = state.get("n_estimates", (self._t - 1) // self.curvature_every + 1 if self._t else 0)
         self._momentum = state["momentum"]
         for g, saved in zip(self.param_groups, state["param_groups"]):
             g.update(saved)
@@ -884,82 +925,6 @@ def _scale_curv(a: object, s: float) -> object:
         blocks, diag = a
         return {w: (s * x, y) for w, (x, y) in blocks.items()}, {k: s * v for k, v in diag.items()}
     return s * a  # type: ignore[operator]
-
-
-def diag_update(g: Tensor, h: Tensor, mean: Tensor, m0: Tensor, s0: Tensor, data: Tensor, mom: Tensor,
-                eps: Tensor, r: Tensor, one_minus_beta1: float | Tensor, rho: float | Tensor,
-                scale: float | Tensor, radius: float | Tensor, damp: float | Tensor, *, positivity: bool,
-                h_from_sample: bool, momentum: bool, clip: bool, damping: bool,
-                fresh: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The diagonal BLR update after the estimates, on flat vectors (the module docstring's algorithm):
-
-        ĥ = ĝ_data ∘ ε / r  (``h_from_sample``: the Price estimate ĝ_data ∘ (θ − m) ∘ S with θ − m = ε r,
-                             r = S^{-1/2}; ``h`` is then ĝ_data)
-        d = ĝ + S₀ ∘ (m − m₀);   u ← u + (1 − β₁)(d − u)            (``momentum``; else u = d)
-        D ← D + ρ (ĥ − D)   [D − ρ (D − ĥ) + ½ ρ² (D − ĥ)² / D with ``positivity``]
-        S = S₀ + D;   m ← m − scale · clip_r(u / (S + Nγ))          (``clip``, ``damping``)
-
-    with ``scale`` = α / (1 − β₁ᵗ) (Adam's bias correction of u) and ρ the step's (debiased) rate; with
-    ``fresh`` False (a step without an estimate, ``curvature_every``) D is kept and ``h`` ignored.
-    Returns (m, u, D, S, Σĝ + Σĥ) as new tensors — the last is the caller's finiteness check, made before
-    anything is kept. The inputs are never written (in-place ops touch fresh temporaries only: few
-    allocations eager), so ``torch.compile`` can fuse the whole update into one pass over memory
-    (``BayesianLearningRule(fused=True)``) with the same algebra. Compiled, the scalars are 0-d tensors
-    (a new value does not recompile; inductor 2.14 miscompiled this update with symbolic float scalars: the
-    third step's D came out negative).
-    """
-    if h_from_sample:
-        h = torch.mul(h, eps).div_(r)
-    check = g.sum() + h.sum() if fresh else g.sum()
-    d = torch.sub(mean, m0).mul_(s0).add_(g)
-    u = torch.lerp(mom, d, one_minus_beta1) if momentum else d
-    if fresh and positivity:
-        diff = torch.sub(data, h)
-        data = diff.square().div_(data).mul_(0.5 * rho * rho).add_(data).sub_(diff.mul_(rho))
-    elif fresh:
-        data = torch.lerp(data, h, rho)
-    s = torch.add(s0, data)
-    step = torch.div(u, torch.add(s, damp) if damping else s)
-    if clip:
-        step.clamp_(-radius, radius)
-    return step.mul_(-scale).add_(mean), u, data, s, check
-
-
-_COMPILED_UPDATE: Callable | None = None
-
-
-def _fused_diag_update() -> Callable:
-    """:func:`diag_update` compiled by ``torch.compile`` (inductor: one C++/Triton loop), built on first use."""
-    global _COMPILED_UPDATE
-    if _COMPILED_UPDATE is None:
-        _COMPILED_UPDATE = torch.compile(diag_update, dynamic=None)
-    return _COMPILED_UPDATE
-
-
-class _FlatDiag:
-    """Flat buffers of the diagonal step: S₀ and m₀ of one prior (rebuilt when the prior object changes),
-    D and the momentum (whose per-parameter views are the optimiser's ParamDict state)."""
-
-    def __init__(self, prior: DiagPosterior, names: list[str], numels: list[int], shapes: list[torch.Size]) -> None:
-        self.prior, self.names, self.numels, self.shapes = prior, names, numels, shapes
-        self.s0 = torch.cat([prior.precision[k].reshape(-1) for k in names])
-        self.m0 = torch.cat([prior.mean[k].reshape(-1) for k in names])
-        self.data: Tensor = self.s0.new_zeros(0)
-        self.s: Tensor | None = None  # S₀ + D, valid while neither changed
-        self.data_views: ParamDict | None = None
-        self.mom: Tensor | None = None
-        self.mom_views: ParamDict | None = None
-
-    def split(self, flat: Tensor) -> tuple[Tensor, ...]:
-        return flat.split(self.numels)
-
-    def views(self, flat: Tensor) -> ParamDict:
-        """Per-parameter views of a flat vector (no copy)."""
-        return {k: v.view(s) for k, v, s in zip(self.names, self.split(flat), self.shapes)}
-
-    def cat(self, d: ParamDict) -> Tensor:
-        """One flat vector from a ParamDict (a copy)."""
-        return torch.cat([d[k].reshape(-1) for k in self.names])
 
 
 class VON(BayesianLearningRule):

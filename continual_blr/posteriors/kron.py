@@ -7,22 +7,39 @@ For each Linear / Conv2d layer the parameters form Θ = [W.reshape(d_out, −1) 
 
 Every other covered parameter has a diagonal precision ``diag + δ``. This is the form an online
 Kronecker-factored Laplace posterior takes (Ritter et al. 2018): the precision after task t is the
-precision before it plus that task's curvature, i.e. one more Kronecker term. Matrix-vector products
-(and therefore the Gaussian penalty ½(θ−m)ᵀS(θ−m) a regulariser needs) are exact for any number
-of terms.
+precision before it plus that task's curvature, i.e. one more Kronecker term.
 
-Operations that need S⁻¹ or log|S| (sampling, the KL, log-density) are exact when every block has
-at most one term, by the eigendecompositions A = U_A Λ_A U_Aᵀ, G = U_G Λ_G U_Gᵀ:
+What is exact for which number of terms K per block:
+
+* any K — S v (``precision_matvec``, hence the penalty ½(θ−m)ᵀS(θ−m) a regulariser needs);
+  S⁻¹ v (``covariance_matvec``) and sampling (``sample`` / ``sample_noise``), for K ≥ 2 up to the
+  conjugate-gradient tolerance of :mod:`~continual_blr.posteriors.kron_solve` (relative residual
+  1e-10 in float64, 1e-6 in float32, at most 200 iterations).
+* K ≤ 1 only — ``covariance_diag``, ``logdet_precision`` (so ``log_prob`` and ``kl``) and
+  ``trace_precision_times_covariance`` against this posterior; they raise ``ValueError`` for K ≥ 2.
+  :meth:`KronPosterior.merged` gives the nearest-Kronecker approximation on which they work.
+
+With K ≤ 1, by the eigendecompositions A = U_A Λ_A U_Aᵀ, G = U_G Λ_G U_Gᵀ:
 
     S = (U_G ⊗ U_A) diag(λ_G λ_Aᵀ + δ) (U_G ⊗ U_A)ᵀ                (Martens & Grosse 2015, Sec. 6.3)
 
-A block with several terms is brought to one term by :meth:`KronPosterior.merged`, which replaces
-Σ_k A_k ⊗ G_k by its nearest Kronecker product in Frobenius norm (Van Loan & Pitsianis 1993),
-computed exactly from the K×K Gram matrices of the factors.
+so S⁻¹, S^{-1/2}, log|S| and diag(S⁻¹) are closed-form. With K ≥ 2:
+
+* S⁻¹ V: preconditioned conjugate gradients on S X = V, preconditioned by the exact inverse of the
+  merged block P = G ⊗ A + δI, (A, G) = nearest_kronecker(terms) (below), through the same
+  eigendecomposition (⊗ here and below on the row-major vec(Θ), as in :class:`~continual_blr.types.KronBlock`).
+* sampling, "perturb and solve": r = √δ E₀ + Σ_k G_k^{1/2} E_k A_k^{1/2} with independent standard
+  normal E₀, E_k has Cov(vec r) = δI + Σ_k G_k ⊗ A_k = S, so z = S⁻¹ r has Cov(z) = S⁻¹ S S⁻¹ = S⁻¹.
+
+:meth:`KronPosterior.merged` replaces Σ_k A_k ⊗ G_k by its nearest Kronecker product in Frobenius
+norm (Van Loan & Pitsianis 1993), computed exactly from the K×K Gram matrices of the factors. It is a
+*different* Gaussian (its precision can differ from S by a factor of several along some directions).
 """
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Any
 
 import torch
@@ -30,6 +47,7 @@ from torch import Tensor
 
 from ..types import KronCurvature, ParamDict, Structure, flatten
 from .base import GaussianPosterior, randn_like
+from .kron_solve import CG_MAX_ITER, Eig, cg_tolerance, eig_solve, kron_eig, kron_matvec, pcg, psd_sqrt
 
 __all__ = ["KronPosterior", "nearest_kronecker", "kron_layers"]
 
@@ -81,6 +99,9 @@ def nearest_kronecker(terms: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tenso
 class KronPosterior(GaussianPosterior):
     """q(θ) = N(m, S⁻¹) with per-layer Kronecker-factored precision (see module docstring).
 
+    Immutable once built: the eigendecompositions and square roots the solves and samples need are
+    computed on first use and cached.
+
     Args:
         mean: the mean m (covered parameters).
         blocks: for each layer, ``(weight_name, bias_name | None, [(A_1, G_1), ...])``.
@@ -111,7 +132,8 @@ class KronPosterior(GaussianPosterior):
             if k not in in_blocks and k not in diag:
                 diag[k] = torch.zeros_like(self.mean[k])
         self.diag = {k: diag[k].detach().to(self.mean[k]) for k in self.mean if k not in in_blocks}
-        self._eig: list[tuple[Tensor, Tensor, Tensor]] | None = None
+        self._eig: list[Eig] | None = None  # per block: exact (≤ 1 term) or the merged preconditioner (≥ 2)
+        self._sqrt: list[list[tuple[Tensor, Tensor]]] | None = None  # per block: (G_k^{1/2}, A_k^{1/2})
 
     # ----- construction ------------------------------------------------------------------------
     @classmethod
@@ -139,13 +161,23 @@ class KronPosterior(GaussianPosterior):
         return KronPosterior(self.mean, blocks, diag, self.delta)
 
     def merged(self) -> "KronPosterior":
-        """One Kronecker term per block: Σ_k A_k ⊗ G_k → nearest Kronecker product (δ kept exact)."""
+        """One Kronecker term per block: Σ_k A_k ⊗ G_k → nearest Kronecker product (δ kept exact).
+
+        An approximation of q (a different Gaussian), on which ``covariance_diag``, ``logdet_precision``
+        and the KL work; sampling and S⁻¹ v do not need it.
+        """
         blocks = [(w, b, [nearest_kronecker(terms)] if terms else []) for w, b, terms in self.blocks]
         return KronPosterior(self.mean, blocks, self.diag, self.delta)
 
     # ----- layout helpers ----------------------------------------------------------------------
+    def _lead(self, v: ParamDict, name: str) -> tuple[int, ...]:
+        """Leading (batch / sample) axes of ``v[name]`` beyond the parameter's own shape."""
+        return tuple(v[name].shape[: v[name].dim() - self.mean[name].dim()])
+
     def _theta(self, v: ParamDict, w: str, b: str | None) -> Tensor:
-        wt = v[w].reshape(v[w].shape[0], -1)
+        """Θ = [W.reshape(d_out, −1) | b], shape [*lead, d_out, d_in] (``v`` may carry leading axes)."""
+        lead = self._lead(v, w)
+        wt = v[w].reshape(*lead, self.mean[w].shape[0], -1)
         return torch.cat([wt, v[b].unsqueeze(-1)], dim=-1) if b is not None else wt
 
     def _split_theta(self, theta: Tensor, w: str, b: str | None, out: ParamDict, lead: tuple[int, ...] = ()) -> None:
@@ -156,72 +188,152 @@ class KronPosterior(GaussianPosterior):
         else:
             out[w] = theta.reshape(*lead, *shape_w)
 
-    def _eigs(self) -> list[tuple[Tensor, Tensor, Tensor]]:
-        """Per block (U_G, U_A, D) with D[o, j] = λ_G[o] λ_A[j] + δ."""
+    def _block_eigs(self) -> list[Eig]:
+        """Per block (U_G, U_A, D), D[o, j] = λ_G[o] λ_A[j] + δ, of its one-term form (cached).
+
+        Exact for a block with 0 or 1 term; for K ≥ 2 terms it is the merged block
+        nearest_kronecker(terms) + δI, used as the conjugate-gradient preconditioner.
+
+        Raises:
+            ValueError: if some D ≤ 0 (singular precision, or singular preconditioner); use δ > 0.
+        """
         if self._eig is None:
             eig = []
             for w, b, terms in self.blocks:
                 d_out = self.mean[w].shape[0]
                 d_in = self.mean[w][0].numel() + (b is not None)
-                ref = self.mean[w]
-                if len(terms) > 1:
-                    raise ValueError(
-                        f"KronPosterior: layer {w!r} holds {len(terms)} Kronecker terms; inverse, log-det and "
-                        "sampling need one — call .merged() first (nearest Kronecker product)"
-                    )
-                if not terms:
-                    u_g = torch.eye(d_out, dtype=ref.dtype, device=ref.device)
-                    u_a = torch.eye(d_in, dtype=ref.dtype, device=ref.device)
-                    d = torch.full((d_out, d_in), self.delta, dtype=ref.dtype, device=ref.device)
-                else:
-                    a, g = terms[0]
-                    la, u_a = torch.linalg.eigh(a)
-                    lg, u_g = torch.linalg.eigh(g)
-                    d = torch.outer(lg.clamp_min(0), la.clamp_min(0)) + self.delta
+                term = nearest_kronecker(terms) if terms else None
+                u_g, u_a, d = kron_eig(term, self.delta, d_out, d_in, self.mean[w])
                 if (d <= 0).any():
-                    raise ValueError(f"KronPosterior: precision of layer {w!r} is singular; use delta > 0")
+                    what = "precision" if len(terms) <= 1 else "nearest-Kronecker preconditioner"
+                    raise ValueError(f"KronPosterior: {what} of layer {w!r} is singular; use delta > 0")
                 eig.append((u_g, u_a, d))
             self._eig = eig
         return self._eig
 
+    def _eigs(self) -> list[Eig]:
+        """:meth:`_block_eigs`, for operations that are exact only with at most one term per block.
+
+        Raises:
+            ValueError: if a block holds K ≥ 2 terms.
+        """
+        for w, _, terms in self.blocks:
+            if len(terms) > 1:
+                raise ValueError(
+                    f"KronPosterior: layer {w!r} holds {len(terms)} Kronecker terms; covariance_diag, log-det, "
+                    "log_prob and the KL need one term per layer — .merged() gives the nearest-Kronecker "
+                    "approximation (covariance_matvec and sampling are exact for any number of terms)"
+                )
+        return self._block_eigs()
+
+    def _sqrts(self) -> list[list[tuple[Tensor, Tensor]]]:
+        """Per block with K ≥ 2 terms the PSD square roots [(G_k^{1/2}, A_k^{1/2})] (cached; [] otherwise)."""
+        if self._sqrt is None:
+            self._sqrt = [
+                [(psd_sqrt(g), psd_sqrt(a)) for a, g in terms] if len(terms) > 1 else [] for _, _, terms in self.blocks
+            ]
+        return self._sqrt
+
+    def _solve(self, i: int, v: Tensor) -> Tensor:
+        """S_i⁻¹ V for block i, V: [..., d_out, d_in]. Exact for ≤ 1 term, else PCG (see ``covariance_matvec``)."""
+        terms = self.blocks[i][2]
+        eig = self._block_eigs()[i]
+        if len(terms) <= 1:
+            return eig_solve(eig, v)
+        res = pcg(lambda x: kron_matvec(terms, self.delta, x), lambda r: eig_solve(eig, r), v,
+                  cg_tolerance(v.dtype), CG_MAX_ITER)
+        if not res.converged:
+            warnings.warn(
+                f"KronPosterior: conjugate gradients for layer {self.blocks[i][0]!r} did not reach relative "
+                f"residual {cg_tolerance(v.dtype):g} in {CG_MAX_ITER} iterations; S⁻¹v is approximate",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return res.solution
+
     # ----- the interface -----------------------------------------------------------------------
     def precision_matvec(self, v: ParamDict) -> ParamDict:
+        """S v, exact for any number of terms: Σ_k G_k Θ A_k + δΘ per block, (diag + δ) v elsewhere.
+
+        ``v`` may carry leading batch axes (e.g. [n, *param_shape] for n vectors at once).
+        """
         out: ParamDict = {}
         for w, b, terms in self.blocks:
-            th = self._theta(v, w, b)
-            res = self.delta * th
-            for a, g in terms:
-                res = res + g @ th @ a
-            self._split_theta(res, w, b, out)
+            self._split_theta(kron_matvec(terms, self.delta, self._theta(v, w, b)), w, b, out, self._lead(v, w))
         for k, s in self.diag.items():
             out[k] = (s + self.delta) * v[k]
         return out
 
     def covariance_matvec(self, v: ParamDict) -> ParamDict:
+        """S⁻¹ v, block by block. ``v`` may carry leading batch axes ([n, *param_shape]).
+
+        * Block with 0 or 1 term: exact, U_G ((U_Gᵀ V U_A) / D) U_Aᵀ.
+        * Block with K ≥ 2 terms: preconditioned conjugate gradients (vectorised over the batch) on
+
+              Σ_k G_k X A_k + δ X = V,
+
+          with the exact matvec on the left and as preconditioner the exact inverse of the merged block
+          P = G ⊗ A + δI, (A, G) = nearest_kronecker(terms). It stops when ‖V − S X‖_F ≤ tol ‖V‖_F
+          (recursive residual, per right-hand side) with tol = ``CG_RTOL_FLOAT64`` = 1e-10 for float64
+          and ``CG_RTOL_FLOAT32`` = 1e-6 otherwise, or after ``CG_MAX_ITER`` = 200 iterations (then a
+          ``RuntimeWarning`` is issued and the last iterate returned).
+        * Other parameters: v / (diag + δ).
+        """
         out: ParamDict = {}
-        for (w, b, _), (u_g, u_a, d) in zip(self.blocks, self._eigs()):
-            th = self._theta(v, w, b)
-            self._split_theta(u_g @ ((u_g.mT @ th @ u_a) / d) @ u_a.mT, w, b, out)
+        for i, (w, b, _) in enumerate(self.blocks):
+            self._split_theta(self._solve(i, self._theta(v, w, b)), w, b, out, self._lead(v, w))
         for k, s in self.diag.items():
             out[k] = v[k] / (s + self.delta)
         return out
 
     def logdet_precision(self) -> Tensor:
+        """log|S| = Σ_blocks Σ log D + Σ log(diag + δ). Needs at most one term per block.
+
+        Raises:
+            ValueError: if a block holds ≥ 2 terms (use ``.merged()`` for the nearest-Kronecker approximation).
+        """
         total = sum(torch.log(d).sum() for _, _, d in self._eigs())
         total = total + sum(torch.log(s + self.delta).sum() for s in self.diag.values())
         return torch.as_tensor(total, dtype=next(iter(self.mean.values())).dtype)
 
     def sample_noise(self, generator: torch.Generator | None, n: int | None = None) -> ParamDict:
+        """z ~ N(0, S⁻¹), exact for any number of terms (with a leading sample axis of size ``n`` if given).
+
+        All noise comes from ``generator`` (deterministic for a given seed), block by block in order, then
+        the diagonal parameters.
+
+        * Block with 0 or 1 term: z = U_G (E / √D) U_Aᵀ, E standard normal.
+        * Block with K ≥ 2 terms, perturb and solve: with independent standard normal E₀, E_1, …, E_K,
+
+              r = √δ E₀ + Σ_k G_k^{1/2} E_k A_k^{1/2},   Cov(vec r) = δI + Σ_k G_k ⊗ A_k = S,
+              z = S⁻¹ r  (conjugate gradients, see :meth:`covariance_matvec`),   Cov(z) = S⁻¹ S S⁻¹ = S⁻¹,
+
+          exact up to the CG tolerance (E₀ is not drawn when δ = 0).
+        * Other parameters: E / √(diag + δ).
+        """
         out: ParamDict = {}
         lead = () if n is None else (n,)
-        for (w, b, _), (u_g, u_a, d) in zip(self.blocks, self._eigs()):
-            eps = randn_like(d, generator, n)
-            self._split_theta(u_g @ (eps * d.rsqrt()) @ u_a.mT, w, b, out, lead)
+        for i, ((w, b, terms), (u_g, u_a, d)) in enumerate(zip(self.blocks, self._block_eigs())):
+            if len(terms) <= 1:
+                eps = randn_like(d, generator, n)
+                self._split_theta(u_g @ (eps * d.rsqrt()) @ u_a.mT, w, b, out, lead)
+                continue
+            r = torch.zeros(lead + tuple(d.shape), dtype=d.dtype, device=d.device)
+            if self.delta > 0:
+                r = r + math.sqrt(self.delta) * randn_like(d, generator, n)
+            for g_half, a_half in self._sqrts()[i]:
+                r = r + g_half @ randn_like(d, generator, n) @ a_half
+            self._split_theta(self._solve(i, r), w, b, out, lead)
         for k, s in self.diag.items():
             out[k] = randn_like(s, generator, n) * (s + self.delta).rsqrt()
         return out
 
     def covariance_diag(self) -> ParamDict:
+        """diag(S⁻¹): Σ_{o', j'} U_G[o, o']² U_A[j, j']² / D[o', j'] per block. Needs at most one term per block.
+
+        Raises:
+            ValueError: if a block holds ≥ 2 terms (use ``.merged()`` for the nearest-Kronecker approximation).
+        """
         out: ParamDict = {}
         for (w, b, _), (u_g, u_a, d) in zip(self.blocks, self._eigs()):
             # diag(S⁻¹)[o, j] = Σ_{o', j'} U_G[o, o']² U_A[j, j']² / D[o', j']
@@ -231,6 +343,8 @@ class KronPosterior(GaussianPosterior):
         return out
 
     def trace_precision_times_covariance(self, other: GaussianPosterior) -> Tensor:
+        """tr(S_self S_other⁻¹): closed form when ``other`` is a KronPosterior with the same layers (which
+        then needs at most one term per block, else ``ValueError``), dense otherwise."""
         if isinstance(other, KronPosterior) and [x[:2] for x in other.blocks] == [x[:2] for x in self.blocks]:
             total = torch.zeros((), dtype=next(iter(self.mean.values())).dtype)
             for (w, b, terms), (u_g, u_a, d) in zip(self.blocks, other._eigs()):
@@ -250,7 +364,7 @@ class KronPosterior(GaussianPosterior):
 
     def with_mean(self, mean: ParamDict) -> "KronPosterior":
         out = KronPosterior({k: mean[k] for k in self.mean}, self.blocks, self.diag, self.delta)
-        out._eig = self._eig
+        out._eig, out._sqrt = self._eig, self._sqrt
         return out
 
     def to_dense(self) -> tuple[Tensor, Tensor]:
