@@ -3,7 +3,7 @@ TensorBoard events.
 
 Files (per method, see ``docs/runs.md``)::
 
-    <run>/<method>/train_log.csv   task, epoch, train_loss        (one row per epoch; epoch counts from 1)
+    <run>/<method>/train_log.csv   task, epoch, train_loss[, clipped_fraction]   (one row per epoch; from 1)
     <run>/<method>/accuracy.csv    after_task, task, accuracy     (R[i, j] for j <= i, after each task i)
     <run>/tensorboard/<method>/    scalars train_loss/task<i>, accuracy/task<j>, avg_accuracy (with tensorboard=True)
 
@@ -57,11 +57,16 @@ class TrainingLog:
         self.folder.trim_csv(f"{self.method}/{TRAIN_LOG}", lambda r: int(r["task"]) < next_task)
         self.folder.trim_csv(f"{self.method}/{ACCURACY_LOG}", lambda r: int(r["after_task"]) < next_task)
 
-    def epoch(self, task: int, epoch: int, loss: float) -> None:
-        """Record one epoch's mean training loss (``epoch`` 0-based as the loop counts; written 1-based)."""
-        self.folder.append_csv(f"{self.method}/{TRAIN_LOG}", ["task", "epoch", "train_loss"], [task, epoch + 1, repr(loss)])
+    def epoch(self, task: int, epoch: int, loss: float, stats: dict[str, float] | None = None) -> None:
+        """Record one epoch's mean training loss (``epoch`` 0-based as the loop counts; written 1-based) and the
+        method's diagnostics (:meth:`Method.epoch_stats`, e.g. the BLR's ``clipped_fraction``), a column each."""
+        stats = stats or {}
+        self.folder.append_csv(f"{self.method}/{TRAIN_LOG}", ["task", "epoch", "train_loss", *stats],
+                               [task, epoch + 1, repr(loss), *map(repr, stats.values())])
         if self._tb is not None:
             self._tb.add_scalar(f"train_loss/task{task}", loss, epoch + 1)
+            for k, v in stats.items():
+                self._tb.add_scalar(f"{k}/task{task}", v, epoch + 1)
 
     def task_end(self, progress: LoopProgress) -> None:
         """Record the accuracies after the task just finished (row ``progress.next_task - 1`` of R)."""

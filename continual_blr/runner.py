@@ -338,7 +338,8 @@ def run_config(cfg: RunConfig, save: bool = True, *, overwrite: bool = False, re
                 result = run_stream(model, stream, method, train, seed=cfg.seed, device=cfg.device,
                                     progress=cfg.progress, config=record, resume=start, restore=restore,
                                     on_task_end=on_task_end,
-                                    on_epoch=None if log is None else log.epoch)
+                                    on_epoch=None if log is None else
+                                    (lambda i, e, loss, m=method, lg=log: lg.epoch(i, e, loss, m.epoch_stats())))
             finally:
                 if log is not None:
                     log.close()

@@ -270,7 +270,7 @@ def test_the_diagonal_update_is_ivons_algorithm_with_a_prior():
         ĝ = (N/B) Σ ∇ℓ_i(θ),  θ = m + ε/√(S₀ + h),  ĥ = ĝ ∘ ε ∘ √(S₀ + h)
         u ← β₁ u + (1 − β₁)(ĝ + S₀(m − m₀))
         h ← (1 − ρ) h + ρ ĥ + ½ ρ² (h − ĥ)² / (S₀ + h)
-        m ← m − α clip_r(u / (1 − β₁ᵗ) / (S₀ + h))
+        m ← m − α/(1 − β₁ᵗ) · clip_r(u / (S₀ + h))     (IVON corrects u before the clip; ours after)
         D̄ ← the debiased average of ĥ (the carried part)
 
     The replica draws ε from a copy of the optimiser's generator. Fails on the old denominator (h instead of
@@ -300,7 +300,7 @@ def test_the_diagonal_update_is_ivons_algorithm_with_a_prior():
         h_hat = g * eps * s.sqrt()
         u = beta1 * u + (1 - beta1) * (g + delta * (m - m0))
         h_state = (1 - rho) * h_state + rho * h_hat + 0.5 * rho**2 * (h_state - h_hat) ** 2 / (delta + h_state)
-        m = m - lr * (u / (1 - beta1**t) / (delta + h_state)).clamp(-clip, clip)
+        m = m - lr / (1 - beta1**t) * (u / (delta + h_state)).clamp(-clip, clip)  # clip before the correction
         weights = (1 - rho) * weights + rho  # the debiased average: Σ ρ(1−ρ)^{t−s} ĥ_s / (1 − (1−ρ)^t)
         avg = (1 - rho) * avg + rho * h_hat
         q, pre = opt.posterior(), opt.preconditioner()

@@ -183,6 +183,10 @@ class Method:
         if self.regularizer is not None:
             self.regularizer.on_task_start(model, task)
 
+    def epoch_stats(self) -> dict[str, float]:
+        """Diagnostics of the epoch just finished, for the run's ``train_log.csv`` (a column each; empty here)."""
+        return {}
+
     def on_task_end(self, model: nn.Module, task: Task, optimizer: torch.optim.Optimizer | None = None) -> None:
         if self.regularizer is not None:
             self.regularizer.on_task_end(model, task)

@@ -31,7 +31,8 @@ class BLRParams:
     Attributes:
         structure: ``"diag"`` (VOGN) or ``"kron"`` (Kronecker BLR, Gauss–Newton projected per layer).
         prior_precision: δ of the first task's prior N(0, δ⁻¹ I).
-        init_precision: the first task's starting posterior precision (a float; None: δ).
+        init_precision: the first task's starting precision of the step (a float; None: δ); a step-size device,
+            not part of the carried posterior.
         lr: α, the mean step size.
         rho: ρ, the precision rate (1 − β₂ in VOGN's notation).
         beta1: momentum on the mean direction.
@@ -40,24 +41,26 @@ class BLRParams:
             posterior, as a tempered likelihood; < 1: a wider one).
         predict_samples: Monte-Carlo samples for predictions (0: the posterior mean).
         temperature: T of the carried prior. At the end of task t the precision the task added to its
-            prior (the optimiser's data part D ⪰ 0) is divided by T before it becomes the next prior,
+            prior (the optimiser's carried data part D̄ ⪰ 0) is divided by T before it becomes the next prior,
             S₀⁽ᵗ⁺¹⁾ = S₀⁽ᵗ⁾ + D_t / T, as online Laplace's temperature (T = 1: plain sequential Bayes; T < 1:
             a colder, stronger memory; λ = 1/T is its EWC-like strength). Every structure: D/T of a
             Kronecker term is a Kronecker term.
-        clip_radius: elementwise bound r on the preconditioned step (None: no bound); see
-            :mod:`continual_blr.optim.blr`.
+        clip_radius: elementwise bound r on the preconditioned step (None: no bound). Where it binds at the
+            fixed point it moves it (sampled steps are not symmetric); ``train_log.csv`` logs the clipped
+            fraction per epoch. See :mod:`continual_blr.optim.blr`.
         curvature: ĥ of the step (named as in :mod:`continual_blr.optim.blr`): ``"ggn"`` (the exact
             Gauss–Newton JᵀΛJ), ``"price"`` (IVON's reparameterisation estimate from the same backward
             pass; diag only), ``"empirical_fisher"`` (VOGN's squared per-example gradients), ``"mc_fisher"``,
             or ``"gauss_newton"`` (the empirical Fisher through ``jacrev`` per-example gradients: the same
             diagonal, slower; Kronecker: nearest Kronecker product instead of K-FAC).
-        precision_debias: the bias-corrected precision rate ρ_t = ρ / (1 − (1 − ρ)ᵗ), t counted from
-            the task's start (see :mod:`continual_blr.optim.blr`): each task's first step sets D = ĥ.
+        precision_debias: the bias-corrected rate ρ_t = ρ / (1 − (1 − ρ)ᵗ) for the step's precision, t counted
+            from the task's start: each task's first step sets D = ĥ (not with ``"price"``, whose step keeps the
+            plain rate). The carried precision is always the debiased average of the task's estimates.
         damping: γ, added as N γ to the step's preconditioner only (per-example curvature units); the
             carried posterior and the fixed point do not depend on it.
-        init_hess: h₀, the data part's start D = N h₀ at every task's start, for every parameter (new heads
-            included; per-example curvature units, like IVON's ``hess_init``); None: keep
-            ``init_precision``'s start for task 1 and the warm start after.
+        init_hess: h₀, the step's start D = N h₀ at every task's start, for every parameter (new heads
+            included; per-example curvature units, like IVON's ``hess_init``); a step-size device that does
+            not reach the carried posterior. None: keep ``init_precision``'s start for task 1 and D = 0 after.
         fused_step: diagonal structure: the update after the estimates as one ``torch.compile``-d kernel
             (``BayesianLearningRule(fused=True)``: the same algebra, fewer passes over memory; the first
             step compiles for seconds and needs a C++ compiler on CPU). Off by default.
@@ -155,6 +158,15 @@ class BLRMethod(Method):
         super().on_task_end(model, task, optimizer)
         assert self.optimizer is not None
         self.optimizer.set_prior(self.optimizer.posterior(temperature=self.params.temperature))
+
+    def epoch_stats(self) -> dict[str, float]:
+        """``clipped_fraction``: the share of coordinate-steps the clip bounded in the epoch (with a clip only).
+        The clip moves the fixed point where it binds once the mean has settled (see
+        :mod:`continual_blr.optim.blr`), so the log shows how often it does."""
+        if self.optimizer is None or self.optimizer.clip_radius is None:
+            return {}
+        frac = self.optimizer.pop_clipped_fraction()
+        return {} if frac is None else {"clipped_fraction": frac}
 
     def posterior(self, model: nn.Module | None = None) -> GaussianPosterior:
         """The optimiser's posterior (its mean is the model's weights; ``model`` is accepted so that every

@@ -10,17 +10,20 @@ model (see ``docs/methods_weight_space.md``). We therefore run IVON's recipe *in
 :class:`~continual_blr.optim.blr.BayesianLearningRule`, where the prior's natural parameters replace IVON's
 weight decay exactly (Khan & Rue 2023, eq. 46): with λ = ess_factor · N_t,
 
-    D ← (1 − ρ) D + ρ ĥ + ½ ρ² (D − ĥ)² / D,        ρ = 1 − β₂,   D₀ = λ h₀ at each task start
+    D ← (1 − ρ) D + ρ ĥ + ½ ρ² (D − ĥ)² / (s₀ + D),    ρ = 1 − β₂,   D₀ = λ h₀ at each task start
     m ← m − α clip_r((s₀ + D)⁻¹ (ĝ + s₀ ∘ (m − m₀)))                 (with β₁-momentum on the direction)
 
-and q_t = N(m, s₀ + D / T) is the next prior. The one difference from IVON's Alg. 1 besides the prior is
-the positivity correction's denominator, D instead of D + s₀ (IVON's h + δ), which keeps D > 0 and hence
-S ⪰ S₀ (the carried prior is never lost); see :mod:`continual_blr.optim.blr`.
+which is IVON's Alg. 1 with s₀ in the place of its weight decay δ (the correction's denominator h + δ
+there). D is the step's precision; what is carried is the debiased average D̄ of the task's estimates
+ĥ alone, so q_t = N(m, s₀ + max(D̄, 0) / T) is the next prior: neither the start λ h₀ nor the correction's
+upward bias ½ρE[(D − ĥ)²]/(s₀ + D) reaches it, and a head no example touched keeps its prior exactly
+(:mod:`continual_blr.optim.blr`).
 
 What this costs and buys (measured, ``benchmarks/results/perf_blr.md`` and ``split_digits.md``): a step
 is one forward and backward pass plus elementwise work, like IVON's; but a one-sample Price estimate of a
 task's curvature is noisy (its spread is ~√N·|ĝ|/√h times the signal), so within the few hundred steps
-of a task its D is a much noisier carried precision than the GGN of the ``blr`` method.
+of a task its D̄ is a much noisier carried precision than the GGN of the ``blr`` method (relative standard
+deviation about √(ρ/2 · (N/B)·S/H) per coordinate).
 """
 
 from __future__ import annotations

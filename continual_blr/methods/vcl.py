@@ -285,6 +285,10 @@ class VCLMethod(Method):
         assert self.kl is not None, "setup() must run first"
         return self.kl.posterior(model)
 
+    def epoch_stats(self) -> dict[str, float]:
+        """vogn: the BLR's ``clipped_fraction`` (see :meth:`BLRMethod.epoch_stats`)."""
+        return self._blr.epoch_stats() if self._blr is not None else {}
+
     def prior(self) -> DiagPosterior:
         """q_{t−1}: the prior of the task being trained (q_0 = N(0, δ⁻¹ I) on parameters not yet active)."""
         assert self._carried is not None, "setup() must run first"
