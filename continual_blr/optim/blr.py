@@ -117,160 +117,68 @@ from typing import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
-from torch.func import grad, hessian, jacrev
 
-from .. import distributed
-from ..curvature import curvature as engine_curvature
-from ..curvature.estimates import curvature_tensors
-from ..posteriors import DiagPosterior, FullPosterior, GaussianPosterior, KronPosterior, nearest_kronecker
-from ..types import DivergenceError, KronCurvature, ParamDict, Structure, flatten, unflatten
+from ..posteriors import DiagPosterior, GaussianPosterior, KronPosterior
+from ..types import DivergenceError, ParamDict, Structure
 from .closures import BatchClosure
-from .diag_state import FlatDiagState, diag_update, fused_diag_update
+from .diag_state import diag_update
+from .diag_step import DiagStepMixin
+from .estimators import CURVATURES, ENGINE_CURVATURES, engine_estimates, per_example_estimates
+from .parallel import DataParallelStep
+from .precision import (add_curv, assemble_posterior, blr_data_update, blr_mean_update, data_like, data_part,
+                        first_bad, scale_curv)
 
 __all__ = ["BayesianLearningRule", "BatchClosure", "VON", "VOGN", "blr_data_update", "blr_mean_update",
            "diag_update", "assemble_posterior", "data_part", "CURVATURES", "ENGINE_CURVATURES"]
 
 Closure = Callable[[ParamDict], "Tensor | tuple[Tensor, Tensor]"]
-ENGINE_CURVATURES = ("empirical_fisher", "ggn", "mc_fisher")
-CURVATURES = ("price", "gauss_newton", "hessian") + ENGINE_CURVATURES
 
 
-# ----------------------------------------------------------------------------------------------
-# Pure update functions (one per line of the algorithm in the module docstring)
-# ----------------------------------------------------------------------------------------------
-def blr_data_update(data: object, h: object, rho: float) -> object:
-    """D ← (1 − ρ) D + ρ ĥ, the data part of the precision S = S₀ + D, in its structure.
-
-    ``data`` and ``h`` are ParamDicts (diag), dense matrices (full), or for Kronecker pairs
-    ``(blocks, diag)`` with ``blocks[w] = (A, G)`` (a missing layer is a zero term) and a ParamDict for
-    parameters outside the layers. The Kronecker result is one term per layer: the nearest Kronecker
-    product of (1 − ρ) A_D ⊗ G_D + ρ A_ĥ ⊗ G_ĥ (PSD for PSD terms, so D ⪰ 0 stays true). The diagonal
-    step with the Price estimator's positivity correction is :func:`continual_blr.optim.diag_state.diag_update`.
-    """
-    if isinstance(data, dict):
-        assert isinstance(h, dict)
-        names = list(data)
-        return dict(zip(names, torch._foreach_lerp([data[k] for k in names], [h[k] for k in names], rho)))
-    if isinstance(data, Tensor):
-        return (1 - rho) * data + rho * h  # type: ignore[operator]
-    (d_blocks, d_diag), (h_blocks, h_diag) = data, h  # type: ignore[misc]
-    blocks = {}
-    for w in set(d_blocks) | set(h_blocks):
-        parts = []
-        if w in d_blocks:
-            parts.append(((1 - rho) * d_blocks[w][0], d_blocks[w][1]))
-        if w in h_blocks:
-            parts.append((rho * h_blocks[w][0], h_blocks[w][1]))
-        # a zero term (a head no example used) adds nothing; with only zero terms the nearest-Kronecker
-        # normalisation would divide 0 by 0
-        parts = [(a, g) for a, g in parts if bool(a.abs().amax() > 0) and bool(g.abs().amax() > 0)]
-        if parts:
-            blocks[w] = nearest_kronecker(parts)
-    diag = {k: (1 - rho) * v + rho * h_diag[k] if k in h_diag else (1 - rho) * v for k, v in d_diag.items()}
-    return blocks, diag
-
-
-def assemble_posterior(mean: ParamDict, prior: GaussianPosterior, data: object, scale: float = 1.0,
-                       extra: float = 0.0) -> GaussianPosterior:
-    """N(m, S₀ + scale·D + extra·I) in the prior's structure (``extra``: the step's damping N γ).
-
-    Kronecker: the prior's terms are kept and D is appended as one more term per layer; ``extra`` is
-    added to the isotropic δ (so it reaches every parameter).
-    """
-    if isinstance(prior, DiagPosterior):
-        return DiagPosterior(mean, {k: prior.precision[k] + scale * data[k] + extra for k in prior.mean})  # type: ignore[index]
-    if isinstance(prior, FullPosterior):
-        eye = torch.eye(prior.precision.shape[0], dtype=prior.precision.dtype, device=prior.precision.device)
-        return FullPosterior(mean, prior.precision + scale * data + extra * eye)  # type: ignore[operator]
-    if isinstance(prior, KronPosterior):
-        d_blocks, d_diag = data  # type: ignore[misc]
-        blocks = [(w, b, terms + ([(scale * d_blocks[w][0], d_blocks[w][1])] if w in d_blocks else []))
-                  for w, b, terms in prior.blocks]
-        diag = {k: v + scale * d_diag[k] for k, v in prior.diag.items()}
-        return KronPosterior(mean, blocks, diag, prior.delta + extra)
-    raise TypeError(f"unsupported posterior type {type(prior).__name__}")
-
-
-def data_part(prior: GaussianPosterior, start: GaussianPosterior) -> object:
-    """D = S_start − S₀ for a starting posterior ``start`` over the prior's parameters (clamped at 0 in
-    the diagonal structure; Kronecker: the starting precision's terms beyond the prior's, merged into
-    one, plus its excess isotropic part as a term I ⊗ (δ_start − δ₀) I)."""
-    if isinstance(prior, DiagPosterior):
-        assert isinstance(start, DiagPosterior)
-        return {k: (start.precision[k] - prior.precision[k]).clamp_min(0) for k in prior.mean}
-    if isinstance(prior, FullPosterior):
-        assert isinstance(start, FullPosterior)
-        return start.precision - prior.precision
-    assert isinstance(prior, KronPosterior) and isinstance(start, KronPosterior)
-    n_prior = {w: len(terms) for w, _, terms in prior.blocks}
-    extra_delta = max(start.delta - prior.delta, 0.0)
-    blocks = {}
-    for w, b, terms in start.blocks:
-        parts = list(terms[n_prior.get(w, 0):])
-        if extra_delta > 0:
-            ref = start.mean[w]
-            d_in = ref[0].numel() + (b is not None)
-            parts.append((extra_delta * torch.eye(d_in, dtype=ref.dtype, device=ref.device),
-                          torch.eye(ref.shape[0], dtype=ref.dtype, device=ref.device)))
-        if parts:
-            blocks[w] = nearest_kronecker(parts)
-    diag = {k: (start.diag[k] + start.delta - prior.diag[k] - prior.delta).clamp_min(0) for k in prior.diag}
-    return blocks, diag
-
-
-def _data_like(prior: GaussianPosterior, value: float) -> object:
-    """D = value · I in the prior's structure (Kronecker: I ⊗ value·I per layer)."""
-    if isinstance(prior, DiagPosterior):
-        return {k: torch.full_like(v, value) for k, v in prior.mean.items()}
-    if isinstance(prior, FullPosterior):
-        return value * torch.eye(prior.precision.shape[0], dtype=prior.precision.dtype, device=prior.precision.device)
-    assert isinstance(prior, KronPosterior)
-    blocks = {}
-    if value > 0:
-        for w, b, _ in prior.blocks:
-            ref = prior.mean[w]
-            d_in = ref[0].numel() + (b is not None)
-            blocks[w] = (value * torch.eye(d_in, dtype=ref.dtype, device=ref.device),
-                         torch.eye(ref.shape[0], dtype=ref.dtype, device=ref.device))
-    return blocks, {k: torch.full_like(prior.mean[k], value) for k in prior.diag}
-
-
-def blr_mean_update(post: GaussianPosterior, direction: ParamDict, lr: float,
-                    clip_radius: float | None = None) -> ParamDict:
-    """m ← m − α clip_r(P⁻¹ d) with P the precision of ``post`` (no clipping when ``clip_radius`` is None).
-
-    ``post`` is the preconditioner: the posterior, or the damped N(m, S + Nγ I) (:func:`assemble_posterior`).
-    """
-    step = post.covariance_matvec(direction)
-    if clip_radius is not None:
-        step = {k: v.clamp(-clip_radius, clip_radius) for k, v in step.items()}
-    return {k: post.mean[k] - lr * step[k] for k in post.mean}
-
-
-def _kron_from_per_example_grads(g: Tensor, iters: int = 6) -> tuple[Tensor, Tensor]:
-    """Nearest Kronecker product A ⊗ G (on Θ ↦ G Θ A) to Σ_i vec(g_i) vec(g_i)ᵀ, g: [B, d_out, d_in].
-
-    Alternating least squares for the leading singular pair of the rearranged matrix, from G = I:
-    A ← Σ_i g_iᵀ G g_i / ‖G‖², G ← Σ_i g_i A g_iᵀ / ‖A‖². It converges fast: on rank-one per-example
-    gradients of a 100×65 layer (B = 32) the relative error of A ⊗ G to the converged product is
-    1e-3 after 2 sweeps, 7e-5 after 3, 2e-7 after 6 — while A ⊗ G itself is ~70 % from Σ_i g_i g_iᵀ.
-    """
-    d_out, d_in = g.shape[1], g.shape[2]
-    tiny = torch.finfo(g.dtype).tiny  # a float32-safe floor (1e-300 underflows to 0 there: 0/0 = NaN)
-    flat_in = g.reshape(-1, d_in)  # [B·d_out, d_in]
-    gm = torch.eye(d_out, dtype=g.dtype, device=g.device)
-    a = flat_in.T @ flat_in / d_out  # Σ_i g_iᵀ I g_i / ‖I‖²
-    for _ in range(iters):
-        # two-operand contractions (plain matrix products) instead of a three-operand einsum
-        gm = torch.einsum("boj,bpj->op", g @ a, g) / (a * a).sum().clamp_min(tiny)
-        a = torch.einsum("bpi,bpj->ij", gm @ g, g) / (gm * gm).sum().clamp_min(tiny)
-    return a, gm
+def _check_settings(prior: GaussianPosterior, n_data: int, lr: float, rho: float, beta1: float, mc_samples: int,
+                    clip_radius: float | None, damping: float, init_hess: float | None, curvature: str,
+                    curvature_every: int) -> None:
+    """One-line errors naming the bad argument and what is allowed (``BayesianLearningRule``'s arguments)."""
+    if not isinstance(prior, GaussianPosterior):
+        raise TypeError(f"prior: expected a GaussianPosterior, got {type(prior).__name__}")
+    if int(n_data) < 1:
+        raise ValueError(f"n_data: must be >= 1, got {n_data}")
+    if not lr > 0:
+        raise ValueError(f"lr: must be > 0, got {lr}")
+    if not 0 < rho <= 1:
+        raise ValueError(f"rho: must be in (0, 1], got {rho}")
+    if not 0 <= beta1 < 1:
+        raise ValueError(f"beta1: must be in [0, 1), got {beta1}")
+    if int(mc_samples) < 0:
+        raise ValueError(f"mc_samples: must be >= 0, got {mc_samples}")
+    if clip_radius is not None and not clip_radius > 0:
+        raise ValueError(f"clip_radius: must be > 0 or None, got {clip_radius}")
+    if not damping >= 0:
+        raise ValueError(f"damping: must be >= 0, got {damping}")
+    if init_hess is not None and not init_hess > 0:
+        raise ValueError(f"init_hess: must be > 0 or None, got {init_hess}")
+    if curvature not in CURVATURES:
+        raise ValueError(f"curvature: got {curvature!r}; allowed: {', '.join(map(repr, CURVATURES))}")
+    if int(curvature_every) < 1:
+        raise ValueError(f"curvature_every: must be >= 1, got {curvature_every}")
+    if int(curvature_every) > 1 and (prior.structure != Structure.DIAG or curvature == "price"):
+        raise ValueError("curvature_every: > 1 is for the diagonal structure with a curvature other than 'price' "
+                         "(whose estimate comes free with the gradient)")
+    if curvature == "hessian" and prior.structure == Structure.KRON:
+        raise ValueError("curvature: 'hessian' is not available for structure 'kron'; use 'gauss_newton'")
+    if curvature == "price":
+        if prior.structure != Structure.DIAG:
+            raise ValueError(f"curvature: 'price' is a diagonal estimator; the prior's structure is "
+                             f"{prior.structure.value!r} (allowed: 'diag')")
+        if int(mc_samples) < 1:
+            raise ValueError("mc_samples: curvature 'price' estimates E_q[∇²ℓ] from weight samples; must be >= 1")
+        if init_hess is None:
+            raise ValueError("init_hess: curvature 'price' needs a positive data-scale start h₀ (e.g. 0.1)")
 
 
 # ----------------------------------------------------------------------------------------------
 # The optimiser
 # ----------------------------------------------------------------------------------------------
-class BayesianLearningRule(torch.optim.Optimizer):
+class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
     """The BLR as a torch optimiser; the model's parameters always hold the posterior mean.
 
     Algorithm (module docstring; everything scaled to the data set)::
@@ -338,41 +246,8 @@ class BayesianLearningRule(torch.optim.Optimizer):
         fused: bool = False,
         curvature_every: int = 1,
     ) -> None:
-        if not isinstance(prior, GaussianPosterior):
-            raise TypeError(f"prior: expected a GaussianPosterior, got {type(prior).__name__}")
-        if int(n_data) < 1:
-            raise ValueError(f"n_data: must be >= 1, got {n_data}")
-        if not lr > 0:
-            raise ValueError(f"lr: must be > 0, got {lr}")
-        if not 0 < rho <= 1:
-            raise ValueError(f"rho: must be in (0, 1], got {rho}")
-        if not 0 <= beta1 < 1:
-            raise ValueError(f"beta1: must be in [0, 1), got {beta1}")
-        if int(mc_samples) < 0:
-            raise ValueError(f"mc_samples: must be >= 0, got {mc_samples}")
-        if clip_radius is not None and not clip_radius > 0:
-            raise ValueError(f"clip_radius: must be > 0 or None, got {clip_radius}")
-        if not damping >= 0:
-            raise ValueError(f"damping: must be >= 0, got {damping}")
-        if init_hess is not None and not init_hess > 0:
-            raise ValueError(f"init_hess: must be > 0 or None, got {init_hess}")
-        if curvature not in CURVATURES:
-            raise ValueError(f"curvature: got {curvature!r}; allowed: {', '.join(map(repr, CURVATURES))}")
-        if int(curvature_every) < 1:
-            raise ValueError(f"curvature_every: must be >= 1, got {curvature_every}")
-        if int(curvature_every) > 1 and (prior.structure != Structure.DIAG or curvature == "price"):
-            raise ValueError("curvature_every: > 1 is for the diagonal structure with a curvature other than 'price' "
-                             "(whose estimate comes free with the gradient)")
-        if curvature == "hessian" and prior.structure == Structure.KRON:
-            raise ValueError("curvature: 'hessian' is not available for structure 'kron'; use 'gauss_newton'")
-        if curvature == "price":
-            if prior.structure != Structure.DIAG:
-                raise ValueError(f"curvature: 'price' is a diagonal estimator; the prior's structure is "
-                                 f"{prior.structure.value!r} (allowed: 'diag')")
-            if int(mc_samples) < 1:
-                raise ValueError("mc_samples: curvature 'price' estimates E_q[∇²ℓ] from weight samples; must be >= 1")
-            if init_hess is None:
-                raise ValueError("init_hess: curvature 'price' needs a positive data-scale start h₀ (e.g. 0.1)")
+        _check_settings(prior, n_data, lr, rho, beta1, mc_samples, clip_radius, damping, init_hess, curvature,
+                        curvature_every)
         named = dict(model.named_parameters())
         missing = [k for k in prior.mean if k not in named]
         if missing:
@@ -386,7 +261,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
         self.n_data = int(n_data)
         self.mc_samples = int(mc_samples)
         self.curvature = curvature
-        self.kron_iters = 3  # ALS sweeps per step for the Kronecker Gauss–Newton (see _kron_from_per_example_grads)
+        self.kron_iters = 3  # ALS sweeps per step for the Kronecker Gauss–Newton (estimators.kron_from_per_example_grads)
         self.generator = generator
         self.clip_radius = clip_radius
         self.debias = bool(debias)
@@ -394,18 +269,15 @@ class BayesianLearningRule(torch.optim.Optimizer):
         self.init_hess = init_hess
         self.fused = bool(fused)
         self.curvature_every = int(curvature_every)
-        self._data = data_part(prior, init_precision) if init_precision is not None else _data_like(prior, 0.0)
+        self._data = data_part(prior, init_precision) if init_precision is not None else data_like(prior, 0.0)
         self._avg: object | None = None  # the carried average D̄ (None: not yet made, or D itself; see _separate)
         self._n_est = 0  # curvature estimates made in this task (the carried average's debiasing count)
         self._momentum: ParamDict | None = None
-        self._flat: FlatDiagState | None = None  # the diagonal step's flat buffers (see _flat_state)
+        self._flat = None  # the diagonal step's flat buffers (DiagStepMixin._flat_state)
         self._t = 0
         self._clip_count: Tensor | None = None
         self._clip_total = 0
-        self._dp, self._dp_total, self._dp_empty = False, None, False  # per step (_begin_data_parallel)
-        #: data parallel only: each rank draws its own weight sample (IVON's per-rank seeds; see the module docstring)
-        self.rank_samples = False
-        self._rank_generator: torch.Generator | None = None
+        self._parallel = DataParallelStep()  # per-step data-parallel scales (rank_samples lives there)
 
     def rebuild(self, model: nn.Module, prior: GaussianPosterior, init_precision: GaussianPosterior) -> None:
         """Re-initialise this optimiser in place over ``prior``'s parameters (e.g. with new heads added),
@@ -416,7 +288,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
         """
         group = self.param_groups[0]
         kron_iters = self.kron_iters
-        rank_samples, rank_generator = self.rank_samples, self._rank_generator
+        parallel = self._parallel
         BayesianLearningRule.__init__(
             self, model, prior, n_data=self.n_data, lr=group["lr"], rho=group["rho"], beta1=group["beta1"],
             mc_samples=self.mc_samples, curvature=self.curvature, init_precision=init_precision,
@@ -424,7 +296,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
             init_hess=self.init_hess, fused=self.fused, curvature_every=self.curvature_every,
         )
         self.kron_iters = kron_iters
-        self.rank_samples, self._rank_generator = rank_samples, rank_generator
+        self._parallel = parallel
 
     # ----- accessors ---------------------------------------------------------------------------
     def _params(self) -> dict[str, nn.Parameter]:
@@ -462,7 +334,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
         """D̄ ⪰ 0, the precision the current task's data added to the prior (structure as in
         :func:`blr_data_update`; diagonal: the average clamped at 0)."""
         if self._n_est == 0:
-            return _data_like(self.prior, 0.0)
+            return data_like(self.prior, 0.0)
         avg = self._avg if self._separate else self._data
         if isinstance(avg, dict):
             return {k: v.clamp_min(0) for k, v in avg.items()}
@@ -477,7 +349,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
         if set(prior.mean) != set(self.names) or prior.structure != self.prior.structure:
             raise ValueError("set_prior: the new prior must cover the same parameters in the same structure")
         self.prior = prior
-        self._data = _data_like(prior, 0.0)
+        self._data = data_like(prior, 0.0)
         self._avg = None
         self._n_est = 0
         self._momentum = None
@@ -499,178 +371,22 @@ class BayesianLearningRule(torch.optim.Optimizer):
     # ----- the step ----------------------------------------------------------------------------
     def _estimates(self, closure: Closure, theta: ParamDict, noise: ParamDict | None,
                    s_sample: ParamDict | None) -> tuple[Tensor, ParamDict, object]:
-        """(mean loss, ĝ, ĥ) at θ, scaled to the data set (N/B Σ_i)."""
-        if self.curvature == "price":
-            return self._price_estimates(closure, theta, noise, s_sample)  # type: ignore[arg-type]
+        """(mean loss, ĝ, ĥ) at θ, scaled to the data set (N/B Σ_i): :mod:`continual_blr.optim.estimators`."""
         if self.curvature in ENGINE_CURVATURES:
-            return self._engine_estimates(closure, theta)
+            return engine_estimates(closure, theta, self.names, self.n_data, self._parallel, self.curvature,
+                                    self.prior.structure, self.model, self.generator,
+                                    None if self.mc_samples == 0 else self._loaded)
+        return per_example_estimates(closure, theta, self.names, self.n_data, self._parallel, self.curvature,
+                                     self.prior, self.kron_iters)
 
-        def losses_fn(p: ParamDict) -> Tensor:
-            out = closure(p)
-            return out[0] if isinstance(out, tuple) else out
+    @property
+    def rank_samples(self) -> bool:
+        """Data parallel only: each rank draws its own weight sample (IVON's per-rank seeds; module docstring)."""
+        return self._parallel.rank_samples
 
-        def penalty_fn(p: ParamDict) -> Tensor:
-            out = closure(p)
-            return out[1] if isinstance(out, tuple) else torch.zeros((), dtype=out.dtype, device=out.device)
-
-        losses = losses_fn(theta).detach()
-        b = losses.shape[0]
-        scale, pw = self._scales(b)
-        per_ex = jacrev(losses_fn)(theta)  # per-example gradients, [B, *shape] each
-        pen_grad = grad(penalty_fn)(theta)
-        g = {k: scale * per_ex[k].sum(0) + self.n_data * pw * pen_grad[k] for k in self.names}
-        structure = self.prior.structure
-        if self.curvature == "hessian":
-            flat = flatten(theta)
-            hess = hessian(lambda v: losses_fn(unflatten(v, theta)).sum())(flat) * scale
-            if structure == Structure.FULL:
-                h: object = hess
-            else:
-                h = unflatten(torch.diagonal(hess).clone(), theta)
-        elif structure == Structure.DIAG:
-            h = {k: scale * (per_ex[k] ** 2).sum(0) for k in self.names}
-        elif structure == Structure.FULL:
-            j = torch.cat([per_ex[k].reshape(b, -1) for k in self.names], 1)
-            h = scale * j.T @ j
-        else:
-            assert isinstance(self.prior, KronPosterior)
-            if self._dp:
-                raise NotImplementedError("curvature 'gauss_newton' with structure 'kron' is a nearest-Kronecker fit "
-                                          "to per-example gradients, not a sum over examples: not available "
-                                          "data-parallel; use curvature 'ggn' or 'empirical_fisher'")
-            blocks = {}
-            for w, bias, _ in self.prior.blocks:
-                gw = per_ex[w].reshape(b, per_ex[w].shape[1], -1)
-                gmat = torch.cat([gw, per_ex[bias].unsqueeze(-1)], -1) if bias is not None else gw
-                a, gg = _kron_from_per_example_grads(gmat, iters=self.kron_iters)
-                blocks[w] = (scale * a, gg)
-            h = (blocks, {k: scale * (per_ex[k] ** 2).sum(0) for k in self.prior.diag})
-        return self._mean_loss(losses) + pw * penalty_fn(theta).detach(), g, h
-
-    def _gradients(self, closure: Closure, theta: ParamDict) -> tuple[Tensor, ParamDict, ParamDict, Tensor]:
-        """One forward and backward pass at θ: (losses [B], ĝ of the data term, ĝ of everything, penalty).
-
-        ĝ = (N/B) ∇ Σ_i ℓ_i(θ) + N ∇ penalty(θ); the data term's gradient is also returned on its own (a
-        second backward, through the penalty only, when there is a penalty).
-        """
-        leaves = {k: v.detach().requires_grad_(True) for k, v in theta.items()}
-        out = closure(leaves)
-        losses, penalty = out if isinstance(out, tuple) else (out, None)
-        scale, pw = self._scales(losses.shape[0])
-        inputs = [leaves[k] for k in self.names]
-        data_grads = torch.autograd.grad(scale * losses.sum(), inputs, allow_unused=True,
-                                         retain_graph=penalty is not None)
-        g_data = {k: (gk if gk is not None else torch.zeros_like(leaves[k])) for k, gk in zip(self.names, data_grads)}
-        g = g_data
-        pen = torch.zeros((), dtype=losses.dtype, device=losses.device)
-        if penalty is not None:
-            pen_grads = torch.autograd.grad(self.n_data * pw * penalty, inputs, allow_unused=True)
-            g = {k: g_data[k] + pg if pg is not None else g_data[k] for k, pg in zip(self.names, pen_grads)}
-            pen = pw * penalty.detach()
-        return losses.detach(), g_data, g, pen
-
-    def _price_estimates(self, closure: Closure, theta: ParamDict, noise: ParamDict,
-                         s_sample: ParamDict) -> tuple[Tensor, ParamDict, object]:
-        """(mean loss, ĝ, ĥ) with the reparameterisation estimate ĥ = ĝ_data ∘ (θ − m) ∘ s (one backward)."""
-        losses, g_data, g, pen = self._gradients(closure, theta)
-        names = self.names
-        h_list = torch._foreach_mul(torch._foreach_mul([g_data[k] for k in names], [noise[k] for k in names]),
-                                    [s_sample[k] for k in names])
-        return self._mean_loss(losses) + pen, g, dict(zip(names, h_list))
-
-    def _engine_estimates(self, closure: Closure, theta: ParamDict) -> tuple[Tensor, ParamDict, object]:
-        """(mean loss, ĝ, ĥ) at θ with ĥ from the curvature engine on the closure's minibatch.
-
-        ĝ = (N/B) ∇ Σ_i ℓ_i(θ) + N ∇ penalty(θ) by one backward pass; ĥ = (N/B) C(θ) with C the named
-        curvature (a sum over the B examples) of the model with θ loaded into its parameters.
-        """
-        if not isinstance(closure, BatchClosure):
-            raise ValueError(f"curvature: {self.curvature!r} needs a BatchClosure (the minibatch for the curvature "
-                             f"engine); got {type(closure).__name__}. Use curvature='gauss_newton' for other closures")
-        losses, _, g, pen = self._gradients(closure, theta)
-        scale, pw = self._scales(losses.shape[0])
-        structure = self.prior.structure
-        # data parallel over a global batch: the engine takes this rank's rows (MC labels drawn for all B)
-        # and returns this rank's part (K-FAC's A already weighted b_r/B); the step reduces it
-        x, y = (closure.x_global, closure.y_global) if closure.sharded else (closure.x, closure.y)
-        # the delta method evaluates at the mean, which the model already holds
-        with contextlib.nullcontext() if self.mc_samples == 0 else self._loaded(theta):
-            c = engine_curvature(self.model, x, y, kind=self.curvature, structure=structure,
-                                 likelihood=closure.likelihood, sigma=closure.sigma, head=closure.head,
-                                 param_names=self.names, generator=self.generator, shard=closure.sharded,
-                                 reduce=False)
-        if closure.sharded:
-            scale = self.n_data / closure.batch_size  # an empty part: c is zero already
-        a_w = 1.0 if closure.sharded else pw
-        if isinstance(c, KronCurvature):
-            h: object = ({blk.weight: (scale * a_w * blk.A, blk.G) for blk in c.blocks},
-                         {k: scale * v for k, v in c.diag.items()})
-        elif isinstance(c, dict):
-            h = {k: scale * c[k] for k in self.names}
-        else:
-            h = scale * c
-        return self._mean_loss(losses) + pen, g, h
-
-    # ----- data parallel -------------------------------------------------------------------------
-    def _begin_data_parallel(self, closure: Closure) -> None:
-        """Per step: whether ĝ, ĥ are all-reduced, and B when the closure knows it (see the module docstring)."""
-        self._dp = distributed.is_distributed()
-        self._dp_total = None
-        self._dp_empty = False
-        if self._dp and isinstance(closure, BatchClosure):
-            if closure.sharded:
-                self._dp_total = closure.batch_size
-            if closure.x.shape[0] == 0:  # no examples on this rank: one example's computation, weight 0
-                closure.x, closure.y = closure.x_global[:1], closure.y_global[:1]
-                self._dp_empty = True
-
-    def _sample_generator(self) -> torch.Generator | None:
-        """Where weight samples come from: the optimiser's generator (the same state on every rank), or with
-        ``rank_samples`` in a data-parallel run a generator of this rank's own, seeded
-        ``base · W + rank`` (:func:`continual_blr.distributed.rank_seed`) with ``base`` drawn once from the
-        optimiser's generator (so the seeds derive from the run's seed)."""
-        if not (self.rank_samples and self._dp) or self.generator is None:
-            return self.generator
-        if self._rank_generator is None:
-            base = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator, device=self.generator.device))
-            self._rank_generator = torch.Generator(device=self.generator.device).manual_seed(distributed.rank_seed(base))
-        return self._rank_generator
-
-    def _scales(self, b: int) -> tuple[float, float]:
-        """(N/B, b/B): the data term's scale and the penalty's weight of this rank's b examples (N/b, 1 in
-        one process). B is the global batch (all-reduced once per step when the closure does not know it)."""
-        if not self._dp:
-            return self.n_data / b, 1.0
-        if self._dp_total is None:
-            self._dp_total = round(distributed.all_reduce_float(b, "batch size"))
-        total = max(self._dp_total, 1)
-        if self._dp_empty:
-            return 0.0, 0.0
-        return self.n_data / total, b / total
-
-    def _mean_loss(self, losses: Tensor) -> Tensor:
-        """(1/B) Σ_{i∈rank} ℓ_i: this rank's part of the global mean loss (the mean in one process)."""
-        if not self._dp:
-            return losses.mean()
-        return losses.sum() * (self._scales(losses.shape[0])[0] / self.n_data)
-
-    def _reduce_estimates(self, loss: Tensor, g: object, h: object) -> Tensor:
-        """All-reduce (loss, ĝ, ĥ) in place with one collective; returns the loss as a tensor (no-op in one process)."""
-        if not self._dp:
-            return loss
-        loss = loss.detach().reshape(1).clone()
-        tensors = [loss] + list(g.values()) if isinstance(g, dict) else [loss] + list(g)  # type: ignore[arg-type]
-        if isinstance(h, tuple):
-            blocks, diag = h
-            tensors += [t for pair in blocks.values() for t in pair] + list(diag.values())
-        elif isinstance(h, dict):
-            tensors += list(h.values())
-        elif isinstance(h, list):
-            tensors += h
-        else:
-            tensors += curvature_tensors(h)  # type: ignore[arg-type]
-        distributed.all_reduce_sum_(tensors, "blr step")
-        return loss[0]
+    @rank_samples.setter
+    def rank_samples(self, value: bool) -> None:
+        self._parallel.rank_samples = bool(value)
 
     @contextlib.contextmanager
     def _loaded(self, theta: ParamDict) -> Iterator[None]:
@@ -692,11 +408,11 @@ class BayesianLearningRule(torch.optim.Optimizer):
         """One BLR step. Returns the mean minibatch loss (averaged over MC samples)."""
         if closure is None:
             raise ValueError("closure: the BLR needs a closure(params) -> per-example losses")
-        self._begin_data_parallel(closure)
+        self._parallel.begin(closure)
         group = self.param_groups[0]
         lr, rho, beta1 = group["lr"], group["rho"], group["beta1"]
         if self._t == 0 and self.init_hess is not None:  # a data-scale start for every parameter
-            self._data = _data_like(self.prior, self.n_data * self.init_hess)
+            self._data = data_like(self.prior, self.n_data * self.init_hess)
         if isinstance(self.prior, DiagPosterior):
             return self._diag_step(closure, lr, rho, beta1)
         params = self._params()
@@ -709,15 +425,15 @@ class BayesianLearningRule(torch.optim.Optimizer):
                 if self.mc_samples == 0:
                     noise, theta = None, mean
                 else:
-                    noise = sampler.sample_noise(self._sample_generator())  # type: ignore[union-attr]
+                    noise = sampler.sample_noise(self._parallel.sample_generator(self.generator))  # type: ignore[union-attr]
                     theta = {k: mean[k] + noise[k] for k in self.names}
                 loss, g, h = self._estimates(closure, theta, noise, None)
-                loss = self._reduce_estimates(loss, g, h)
+                loss = self._parallel.reduce(loss, g, h)
                 loss_sum = loss_sum + loss
                 g_sum = g if g_sum is None else {k: g_sum[k] + g[k] for k in g}
-                h_sum = h if h_sum is None else _add_curv(h_sum, h)
+                h_sum = h if h_sum is None else add_curv(h_sum, h)
         g_avg = g_sum if n_mc == 1 else {k: v / n_mc for k, v in g_sum.items()}  # type: ignore[union-attr]
-        h_avg = _scale_curv(h_sum, 1.0 / n_mc)
+        h_avg = scale_curv(h_sum, 1.0 / n_mc)
         self._check_finite(loss_sum, g_avg, h_avg)
         # natural-gradient direction ĝ + S₀ (m − m₀)
         prior_term = self.prior.precision_matvec({k: mean[k] - self.prior.mean[k] for k in self.names})
@@ -731,7 +447,7 @@ class BayesianLearningRule(torch.optim.Optimizer):
         self._n_est += 1
         self._data = blr_data_update(self._data, h_avg, rho_step)
         if self._separate:
-            avg = self._avg if self._avg is not None else _data_like(self.prior, 0.0)
+            avg = self._avg if self._avg is not None else data_like(self.prior, 0.0)
             self._avg = blr_data_update(avg, h_avg, rho_avg)
         precond = assemble_posterior(mean, self.prior, self._data, extra=self.n_data * self.damping)
         new_mean = blr_mean_update(precond, d, lr, self.clip_radius)
@@ -741,120 +457,10 @@ class BayesianLearningRule(torch.optim.Optimizer):
 
     def _check_finite(self, loss: Tensor, g: object, h: object) -> None:
         """DivergenceError naming the first non-finite quantity (one synchronisation; runs before any state changes)."""
-        bad = _first_bad(loss, g, h)
+        bad = first_bad(loss, g, h)
         if bad is not None:
             raise DivergenceError(f"BLR step {self._t + 1}: the minibatch {bad} is not finite (loss {float(loss)}); "
                                   "lower lr (α), or bound the step with damping or clip_radius")
-
-    def _flat_state(self, mean: list[Tensor]) -> FlatDiagState:
-        """The diagonal step's flat buffers, rebuilt only when the prior, D, D̄ or the momentum were replaced
-        (``set_prior``, ``load_state_dict``, ``rebuild``, the ``init_hess`` start)."""
-        flat = self._flat
-        if flat is None or flat.prior is not self.prior or flat.numels != [m.numel() for m in mean]:
-            if len({(m.dtype, m.device) for m in mean}) != 1:
-                raise ValueError("the diagonal BLR step needs every covered parameter in one dtype and on one "
-                                 f"device; got {sorted({(str(m.dtype), str(m.device)) for m in mean})}")
-            prior = self.prior
-            assert isinstance(prior, DiagPosterior)
-            flat = FlatDiagState(prior, self.names, [m.numel() for m in mean], [m.shape for m in mean])
-            self._flat = flat
-        if self._separate and self._avg is None:
-            self._avg = _data_like(self.prior, 0.0)  # type: ignore[assignment]
-        flat.sync(self._data, self._avg if self._separate else None, self._momentum)  # type: ignore[arg-type]
-        self._data, self._avg = flat.data_views, flat.avg_views  # type: ignore[assignment]
-        self._momentum = flat.mom_views
-        return flat
-
-    def _diag_step(self, closure: Closure, lr: float, rho: float, beta1: float) -> Tensor:
-        """The diagonal step on flat vectors (:mod:`continual_blr.optim.diag_state`): one kernel per line of
-        the algorithm over all parameters (with ``fused`` one compiled kernel, :func:`fused_diag_update`).
-
-        Weight samples are drawn from the step's Gaussian N(m, (S₀ + D)⁻¹) (IVON's); the carried D̄ averages
-        the estimates made at them.
-        """
-        mean_list = [p.detach() for p in self._param_list]
-        mean = torch.cat([m.reshape(-1) for m in mean_list])
-        flat = self._flat_state(mean_list)
-        n_mc = max(1, self.mc_samples)
-        fresh = self._t % self.curvature_every == 0  # estimate ĥ on this step (every step unless curvature_every)
-        if flat.s is None:  # S = S₀ + D (kept from the last update while neither was replaced)
-            flat.s = flat.s0 + flat.data
-        price = self.curvature == "price"
-        loss_sum, g_sum, h_sum = 0.0, None, None
-        with torch.enable_grad():
-            for _ in range(n_mc):
-                if self.mc_samples == 0:
-                    eps, r, theta = None, None, mean
-                else:  # θ = m + ε / √S, one draw for all parameters
-                    eps = torch.randn(mean.shape, generator=self._sample_generator(), dtype=mean.dtype,
-                                      device=mean.device)
-                    r = torch.rsqrt(flat.s)
-                    theta = torch.addcmul(mean, eps, r)
-                theta_d = flat.views(theta)
-                if price:  # ĥ = ĝ_data ∘ (θ − m) ∘ S = ĝ_data ∘ ε ∘ √S, one backward pass
-                    losses, g_data_d, g_d, pen = self._gradients(closure, theta_d)
-                    loss = self._mean_loss(losses) + pen
-                    g_data = flat.cat(g_data_d)
-                    g = g_data if g_d is g_data_d else flat.cat(g_d)
-                    # one sample in one process: ĥ is formed inside the update (diag_update's h_from_sample)
-                    h = g_data if n_mc == 1 and not self._dp else torch.mul(g_data, eps).div_(r)  # type: ignore[arg-type]
-                elif fresh:
-                    loss, g_d, h_d = self._estimates(closure, theta_d, None, None)
-                    g, h = flat.cat(g_d), flat.cat(h_d)  # type: ignore[arg-type]
-                else:  # a step without a curvature estimate (curvature_every): the gradient only
-                    losses, _, g_d, pen = self._gradients(closure, theta_d)
-                    loss, g, h = self._mean_loss(losses) + pen, flat.cat(g_d), None
-                loss = self._reduce_estimates(loss, [g], [h] if h is not None else [])
-                loss_sum = loss_sum + loss
-                if g_sum is None:
-                    g_sum, h_sum = g, h
-                else:
-                    g_sum.add_(g)
-                    if h is not None:
-                        h_sum.add_(h)  # type: ignore[union-attr]
-        assert g_sum is not None
-        if n_mc > 1:
-            g_sum.div_(n_mc)
-            if h_sum is not None:
-                h_sum.div_(n_mc)
-        h_from_sample = price and n_mc == 1 and not self._dp
-        t = self._t + 1
-        rho_step, rho_avg = self._rates(rho, fresh)
-        use_mom = beta1 > 0
-        if use_mom and flat.mom is None:  # u₀ = 0: the first average is (1 − β₁) d
-            flat.mom = torch.zeros_like(mean)
-        unbias = 1 / (1 - beta1**t) if use_mom else 1.0
-        scalars = (1 - beta1, rho_step, rho_avg, unbias, lr, self.clip_radius or 0.0, self.n_data * self.damping)
-        update = fused_diag_update() if self.fused else diag_update
-        if self.fused:
-            scalars = tuple(torch.tensor(v, dtype=mean.dtype, device=mean.device) for v in scalars)
-        separate = flat.avg is not None
-        new_mean, mom, data, avg, s, check, n_clip = update(
-            g_sum, h_sum if h_sum is not None else g_sum, mean, flat.m0, flat.s0, flat.data,
-            flat.avg if separate else mean, flat.mom if use_mom else g_sum, eps if h_from_sample else mean,
-            r if h_from_sample else mean, *scalars, positivity=price, h_from_sample=h_from_sample,
-            momentum=use_mom, clip=self.clip_radius is not None, damping=self.damping > 0,
-            fresh=h_sum is not None, separate=separate)
-        if not bool(torch.isfinite(check + loss_sum)):  # nothing kept yet: name the culprit and stop
-            h_d = flat.views(h_sum * eps / r if h_from_sample else h_sum if h_sum is not None else 0 * g_sum)  # type: ignore[operator]
-            self._check_finite(loss_sum, flat.views(g_sum), h_d)  # type: ignore[arg-type]
-            raise DivergenceError(f"BLR step {t}: the update is not finite; lower lr (α), or bound the "
-                                  "step with damping or clip_radius")
-        self._t = t
-        if h_sum is not None:
-            self._n_est += 1
-        flat.data, flat.s = data, s
-        flat.data_views = self._data = flat.views(data)
-        if separate:
-            flat.avg = avg
-            flat.avg_views = self._avg = flat.views(avg)
-        if use_mom:
-            flat.mom = mom
-            flat.mom_views = self._momentum = flat.views(mom)
-        if self.clip_radius is not None:
-            self._count_clipped(n_clip, mean.numel())
-        torch._foreach_copy_(mean_list, [v.view_as(m) for v, m in zip(flat.split(new_mean), mean_list)])
-        return loss_sum / n_mc  # type: ignore[return-value]
 
     def _rates(self, rho: float, fresh: bool = True) -> tuple[float, float]:
         """(ρ_t of the step's D, ρ̄_t of the carried average D̄) for the step about to be made.
@@ -870,21 +476,6 @@ class BayesianLearningRule(torch.optim.Optimizer):
         # the Price step keeps IVON's plain rate: debiased, its first step would set D to one noisy estimate
         step_debiased = self.debias and self.curvature != "price"
         return (debiased if step_debiased else rho), debiased
-
-    def _count_clipped(self, n_clip: Tensor, numel: int) -> None:
-        """Accumulate the number of clipped coordinates (read by :meth:`pop_clipped_fraction`; no sync here)."""
-        self._clip_count = n_clip if self._clip_count is None else self._clip_count + n_clip
-        self._clip_total += numel
-
-    def pop_clipped_fraction(self) -> float | None:
-        """The fraction of coordinates whose preconditioned step the clip bounded since the last call (None
-        without a clip or before any step), and reset the count. The clip moves the fixed point when
-        weights are sampled (see the module docstring), so the loop logs this per epoch."""
-        if self._clip_count is None or self._clip_total == 0:
-            return None
-        frac = float(self._clip_count) / self._clip_total
-        self._clip_count, self._clip_total = None, 0
-        return frac
 
     # ----- persistence -------------------------------------------------------------------------
     def state_dict(self) -> dict:  # type: ignore[override]
@@ -909,49 +500,6 @@ class BayesianLearningRule(torch.optim.Optimizer):
         self._momentum = state["momentum"]
         for g, saved in zip(self.param_groups, state["param_groups"]):
             g.update(saved)
-
-
-def _add_curv(a: object, b: object) -> object:
-    if isinstance(a, dict):
-        return {k: a[k] + b[k] for k in a}  # type: ignore[index]
-    if isinstance(a, tuple):
-        (ba, da), (bb, db) = a, b  # type: ignore[misc]
-        blocks = {w: (ba[w][0] + bb[w][0], ba[w][1]) if torch.equal(ba[w][1], bb[w][1]) else nearest_kronecker([ba[w], bb[w]]) for w in ba}
-        return blocks, {k: da[k] + db[k] for k in da}
-    return a + b  # type: ignore[operator]
-
-
-def _finite_flags(a: object) -> list[Tensor]:
-    """One 0-d bool tensor per tensor in a ParamDict, a (blocks, diag) Kronecker estimate or a tensor."""
-    if isinstance(a, dict):
-        return [f for v in a.values() for f in _finite_flags(v)]
-    if isinstance(a, tuple):
-        return [f for v in a for f in _finite_flags(v)]
-    if isinstance(a, Tensor):
-        return [torch.isfinite(a).all()]
-    return []
-
-
-def _first_bad(loss: Tensor, g: object, h: object) -> str | None:
-    """The first of "loss", "gradient", "curvature" holding a non-finite number, or None (one device
-    synchronisation for all three)."""
-    groups = [_finite_flags(loss), _finite_flags(g), _finite_flags(h)]
-    flags = torch.stack([torch.stack(f).all() for f in groups]).tolist()
-    for name, ok in zip(("loss", "gradient", "curvature"), flags):
-        if not ok:
-            return name
-    return None
-
-
-def _scale_curv(a: object, s: float) -> object:
-    if s == 1.0:
-        return a
-    if isinstance(a, dict):
-        return {k: s * v for k, v in a.items()}
-    if isinstance(a, tuple):
-        blocks, diag = a
-        return {w: (s * x, y) for w, (x, y) in blocks.items()}, {k: s * v for k, v in diag.items()}
-    return s * a  # type: ignore[operator]
 
 
 class VON(BayesianLearningRule):

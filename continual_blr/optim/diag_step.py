@@ -1,0 +1,162 @@
+"""The diagonal BLR step on flat buffers: the hot path of ``BayesianLearningRule`` for a diagonal prior.
+
+One kernel per line of the algorithm over all covered parameters (one compiled kernel with ``fused``):
+the mean is gathered into one vector and written back once; S₀, m₀, the step's D, the carried D̄ and the
+momentum live in :class:`~continual_blr.optim.diag_state.FlatDiagState`, whose per-parameter views are
+the optimiser's ParamDict state; the update after the estimates is
+:func:`~continual_blr.optim.diag_state.diag_update`. The algebra is the generic step's
+(:mod:`continual_blr.optim.blr`); ``tests/test_blr_fixed_points.py`` checks it against an independent
+replica of IVON's Algorithm 1 with a prior.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from ..posteriors import DiagPosterior
+from ..types import DivergenceError
+from .diag_state import FlatDiagState, diag_update, fused_diag_update
+from .estimators import gradients
+from .precision import data_like
+
+__all__ = ["DiagStepMixin"]
+
+
+class DiagStepMixin:
+    """The diagonal step and the clip's count, mixed into :class:`~continual_blr.optim.blr.BayesianLearningRule`
+    (which owns the state these methods read: ``prior``, ``names``, ``_data``, ``_avg``, ``_momentum``,
+    ``_parallel``, the settings)."""
+
+    _flat: FlatDiagState | None
+    _clip_count: Tensor | None
+    _clip_total: int
+    prior: Any
+    names: list[str]
+
+    def _flat_state(self, mean: list[Tensor]) -> FlatDiagState:
+        """The diagonal step's flat buffers, rebuilt only when the prior, D, D̄ or the momentum were replaced
+        (``set_prior``, ``load_state_dict``, ``rebuild``, the ``init_hess`` start)."""
+        flat = self._flat
+        if flat is None or flat.prior is not self.prior or flat.numels != [m.numel() for m in mean]:
+            if len({(m.dtype, m.device) for m in mean}) != 1:
+                raise ValueError("the diagonal BLR step needs every covered parameter in one dtype and on one "
+                                 f"device; got {sorted({(str(m.dtype), str(m.device)) for m in mean})}")
+            prior = self.prior
+            assert isinstance(prior, DiagPosterior)
+            flat = FlatDiagState(prior, self.names, [m.numel() for m in mean], [m.shape for m in mean])
+            self._flat = flat
+        if self._separate and self._avg is None:
+            self._avg = data_like(self.prior, 0.0)  # type: ignore[assignment]
+        flat.sync(self._data, self._avg if self._separate else None, self._momentum)  # type: ignore[arg-type]
+        self._data, self._avg = flat.data_views, flat.avg_views  # type: ignore[assignment]
+        self._momentum = flat.mom_views
+        return flat
+
+    def _diag_step(self, closure: Callable, lr: float, rho: float, beta1: float) -> Tensor:
+        """The diagonal step on flat vectors (:mod:`continual_blr.optim.diag_state`): one kernel per line of
+        the algorithm over all parameters (with ``fused`` one compiled kernel, :func:`fused_diag_update`).
+
+        Weight samples are drawn from the step's Gaussian N(m, (S₀ + D)⁻¹) (IVON's); the carried D̄ averages
+        the estimates made at them.
+        """
+        mean_list = [p.detach() for p in self._param_list]
+        mean = torch.cat([m.reshape(-1) for m in mean_list])
+        flat = self._flat_state(mean_list)
+        n_mc = max(1, self.mc_samples)
+        fresh = self._t % self.curvature_every == 0  # estimate ĥ on this step (every step unless curvature_every)
+        if flat.s is None:  # S = S₀ + D (kept from the last update while neither was replaced)
+            flat.s = flat.s0 + flat.data
+        price = self.curvature == "price"
+        loss_sum, g_sum, h_sum = 0.0, None, None
+        with torch.enable_grad():
+            for _ in range(n_mc):
+                if self.mc_samples == 0:
+                    eps, r, theta = None, None, mean
+                else:  # θ = m + ε / √S, one draw for all parameters
+                    eps = torch.randn(mean.shape, generator=self._parallel.sample_generator(self.generator), dtype=mean.dtype,
+                                      device=mean.device)
+                    r = torch.rsqrt(flat.s)
+                    theta = torch.addcmul(mean, eps, r)
+                theta_d = flat.views(theta)
+                if price:  # ĥ = ĝ_data ∘ (θ − m) ∘ S = ĝ_data ∘ ε ∘ √S, one backward pass
+                    losses, g_data_d, g_d, pen = gradients(closure, theta_d, self.names, self.n_data, self._parallel)
+                    loss = self._parallel.mean_loss(losses, self.n_data) + pen
+                    g_data = flat.cat(g_data_d)
+                    g = g_data if g_d is g_data_d else flat.cat(g_d)
+                    # one sample in one process: ĥ is formed inside the update (diag_update's h_from_sample)
+                    h = g_data if n_mc == 1 and not self._parallel.active else torch.mul(g_data, eps).div_(r)  # type: ignore[arg-type]
+                elif fresh:
+                    loss, g_d, h_d = self._estimates(closure, theta_d, None, None)
+                    g, h = flat.cat(g_d), flat.cat(h_d)  # type: ignore[arg-type]
+                else:  # a step without a curvature estimate (curvature_every): the gradient only
+                    losses, _, g_d, pen = gradients(closure, theta_d, self.names, self.n_data, self._parallel)
+                    loss, g, h = self._parallel.mean_loss(losses, self.n_data) + pen, flat.cat(g_d), None
+                loss = self._parallel.reduce(loss, [g], [h] if h is not None else [])
+                loss_sum = loss_sum + loss
+                if g_sum is None:
+                    g_sum, h_sum = g, h
+                else:
+                    g_sum.add_(g)
+                    if h is not None:
+                        h_sum.add_(h)  # type: ignore[union-attr]
+        assert g_sum is not None
+        if n_mc > 1:
+            g_sum.div_(n_mc)
+            if h_sum is not None:
+                h_sum.div_(n_mc)
+        h_from_sample = price and n_mc == 1 and not self._parallel.active
+        t = self._t + 1
+        rho_step, rho_avg = self._rates(rho, fresh)
+        use_mom = beta1 > 0
+        if use_mom and flat.mom is None:  # u₀ = 0: the first average is (1 − β₁) d
+            flat.mom = torch.zeros_like(mean)
+        unbias = 1 / (1 - beta1**t) if use_mom else 1.0
+        scalars = (1 - beta1, rho_step, rho_avg, unbias, lr, self.clip_radius or 0.0, self.n_data * self.damping)
+        update = fused_diag_update() if self.fused else diag_update
+        if self.fused:
+            scalars = tuple(torch.tensor(v, dtype=mean.dtype, device=mean.device) for v in scalars)
+        separate = flat.avg is not None
+        new_mean, mom, data, avg, s, check, n_clip = update(
+            g_sum, h_sum if h_sum is not None else g_sum, mean, flat.m0, flat.s0, flat.data,
+            flat.avg if separate else mean, flat.mom if use_mom else g_sum, eps if h_from_sample else mean,
+            r if h_from_sample else mean, *scalars, positivity=price, h_from_sample=h_from_sample,
+            momentum=use_mom, clip=self.clip_radius is not None, damping=self.damping > 0,
+            fresh=h_sum is not None, separate=separate)
+        if not bool(torch.isfinite(check + loss_sum)):  # nothing kept yet: name the culprit and stop
+            h_d = flat.views(h_sum * eps / r if h_from_sample else h_sum if h_sum is not None else 0 * g_sum)  # type: ignore[operator]
+            self._check_finite(loss_sum, flat.views(g_sum), h_d)  # type: ignore[arg-type]
+            raise DivergenceError(f"BLR step {t}: the update is not finite; lower lr (α), or bound the "
+                                  "step with damping or clip_radius")
+        self._t = t
+        if h_sum is not None:
+            self._n_est += 1
+        flat.data, flat.s = data, s
+        flat.data_views = self._data = flat.views(data)
+        if separate:
+            flat.avg = avg
+            flat.avg_views = self._avg = flat.views(avg)
+        if use_mom:
+            flat.mom = mom
+            flat.mom_views = self._momentum = flat.views(mom)
+        if self.clip_radius is not None:
+            self._count_clipped(n_clip, mean.numel())
+        torch._foreach_copy_(mean_list, [v.view_as(m) for v, m in zip(flat.split(new_mean), mean_list)])
+        return loss_sum / n_mc  # type: ignore[return-value]
+
+    def _count_clipped(self, n_clip: Tensor, numel: int) -> None:
+        """Accumulate the number of clipped coordinates (read by :meth:`pop_clipped_fraction`; no sync here)."""
+        self._clip_count = n_clip if self._clip_count is None else self._clip_count + n_clip
+        self._clip_total += numel
+
+    def pop_clipped_fraction(self) -> float | None:
+        """The fraction of coordinates whose preconditioned step the clip bounded since the last call (None
+        without a clip or before any step), and reset the count. The clip moves the fixed point when
+        weights are sampled (see the module docstring), so the loop logs this per epoch."""
+        if self._clip_count is None or self._clip_total == 0:
+            return None
+        frac = float(self._clip_count) / self._clip_total
+        self._clip_count, self._clip_total = None, 0
+        return frac
