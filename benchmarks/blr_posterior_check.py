@@ -45,9 +45,9 @@ def oracle(task, delta: float, sigma: float) -> tuple[torch.Tensor, torch.Tensor
     return mean, torch.diagonal(prec)
 
 
-def check(row: str, seed: int, epochs: int, batch: int, n_train: int) -> dict[str, float]:
+def check(row: str, seed: int, epochs: int, batch: int, n_train: int, overrides: dict | None = None) -> dict[str, float]:
     name, params = ROWS[row]
-    params = {**COMMON[name], **params}
+    params = {**COMMON[name], **params, **(overrides or {})}
     stream = linear_regression_stream(n_tasks=2, n_features=4, n_train=n_train, n_test=50, scenario="task", seed=seed)
     first = dataclasses.replace(stream, tasks=stream.tasks[:1])  # train task 1; head 2 sees no data
     model = build_model("linear", stream.input_shape, stream.n_outputs, stream.n_heads,
@@ -60,7 +60,7 @@ def check(row: str, seed: int, epochs: int, batch: int, n_train: int) -> dict[st
     prec = torch.cat([post.precision["heads.0.weight"].reshape(-1), post.precision["heads.0.bias"].reshape(-1)]).double()
     unused = torch.cat([post.precision["heads.1.weight"].reshape(-1), post.precision["heads.1.bias"].reshape(-1)]).double()
     ratio = prec / prec_o
-    return {"mean_err": float(((mean - mean_o).abs() / mean_o.abs().clamp_min(1e-3)).max()),
+    return {"mean_err": float((mean - mean_o).abs().max() / mean_o.abs().max()),
             "prec_lo": float(ratio.min()), "prec_hi": float(ratio.max()),
             "unused": float((unused / params["prior_precision"] - 1).abs().max())}
 
@@ -72,14 +72,20 @@ def main() -> None:
     ap.add_argument("--n-train", type=int, default=2000)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="override a method parameter in every row (e.g. hess_init=1.0, clip_radius=0.3)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print("| row | seed | max rel. error of the mean | precision / optimum | unused head: max |prec/prior − 1| |")
+    overrides = {}
+    for kv in args.set:
+        k, v = kv.split("=", 1)
+        overrides[k] = None if v in ("none", "null") else float(v)
+    print("| row | seed | max error of the mean / max |m*| | precision / optimum | unused head: max |prec/prior − 1| |")
     print("|---|---|---|---|---|")
     for row in args.rows:
         for seed in args.seeds:
-            r = check(row, seed, args.epochs, args.batch, args.n_train)
+            r = check(row, seed, args.epochs, args.batch, args.n_train, overrides)
             print(f"| {row} | {seed} | {100 * r['mean_err']:.2f} % | {r['prec_lo']:.3f} – {r['prec_hi']:.3f} | "
                   f"{r['unused']:.2e} |", flush=True)
 
