@@ -359,3 +359,33 @@ def test_kronecker_blr_predicts_by_sampling_after_several_tasks():
     res = run_stream(model, stream, method, TrainConfig(epochs=4, batch_size=20), seed=0, progress=False)
     assert len(method.posterior().blocks[0][2]) >= 2  # every finished task added a Kronecker term to the prior
     assert min(res.acc_matrix[i][i] for i in range(3)) > 0.6
+
+
+def test_clipped_fraction_counts_the_bounded_coordinates_and_reaches_the_train_log(tmp_path):
+    """``pop_clipped_fraction`` is the share of coordinate-steps whose preconditioned step the clip bounded: 1 with a
+    radius below every step, 0 with one above all; it resets when read. Through a run, ``train_log.csv`` has a
+    ``clipped_fraction`` column for a clipped BLR, one value in [0, 1] per epoch, and none for ``none``."""
+    import csv
+
+    from continual_blr.cli import main
+
+    x, y, sigma = _linreg(n=40, d=3)
+    for radius, expected in ((1e-12, 1.0), (1e12, 0.0)):
+        model = _Head(3)
+        prior = DiagPosterior({"w": torch.zeros(3, dtype=DT), "b": torch.zeros(1, dtype=DT)}, 1.0)
+        opt = BayesianLearningRule(model, prior, n_data=40, lr=0.1, rho=0.1, mc_samples=0, curvature="ggn",
+                                   clip_radius=radius)
+        for _ in range(3):
+            opt.step(BatchClosure(model, x, y, head=0, likelihood="regression", sigma=sigma))
+        assert opt.pop_clipped_fraction() == expected
+        assert opt.pop_clipped_fraction() is None  # reset by the read
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("stream: {name: synthetic, scenario: task, options: {n_tasks: 2, n_train: 40, n_test: 20}}\n"
+                   "model: {arch: mlp, hidden: [8]}\ntrain: {epochs: 2, batch_size: 20}\n"
+                   "methods: [{name: blr, params: {clip_radius: 0.001}}, {name: none}]\n")
+    assert main(["run", str(cfg), "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "run" / "blr" / "train_log.csv")))
+    assert len(rows) == 4 and all(0.0 <= float(r["clipped_fraction"]) <= 1.0 for r in rows)
+    assert max(float(r["clipped_fraction"]) for r in rows) > 0
+    assert "clipped_fraction" not in open(tmp_path / "run" / "none" / "train_log.csv").readline()
