@@ -30,16 +30,16 @@ STEP_KINDS = ("gradient", "blr step", "batch size")
 
 def _worker(method_name: str, epochs: int, data_dir: str | None, max_per_task: int | None, dtype: str) -> None:
     import torch
-    import yaml
 
     from continual_blr import distributed
+    from continual_blr.config import yaml_load
     from continual_blr.data.registry import make_stream
     from continual_blr.loop import run_stream
     from continual_blr.methods import TrainConfig, build_method
     from continual_blr.models import build_model
 
     distributed.init_from_env()
-    cfg = yaml.safe_load((ROOT / "configs" / "split_mnist" / f"{method_name}.yaml").read_text())
+    cfg = yaml_load((ROOT / "configs" / "split_mnist" / f"{method_name}.yaml").read_text())
     kw = {"max_per_task": max_per_task} if max_per_task else {}
     stream = make_stream("split_mnist", data_dir=data_dir, seed=0, download=False, **kw)
     dt = getattr(torch, dtype)

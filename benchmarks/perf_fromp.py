@@ -193,11 +193,9 @@ def report(res: dict, steps: int, n_train: int) -> str:
 
 
 def _split_mnist_config(method: str, data_dir: str | None, quick: bool, benchmark: str = "split_mnist"):
-    import yaml
+    from continual_blr.config import RunConfig, from_dict, yaml_load
 
-    from continual_blr.config import RunConfig, from_dict
-
-    cfg = from_dict(RunConfig, yaml.safe_load((ROOT / "configs" / benchmark / f"{method}.yaml").read_text()))
+    cfg = from_dict(RunConfig, yaml_load((ROOT / "configs" / benchmark / f"{method}.yaml").read_text()))
     if data_dir:
         cfg.stream.data_dir = data_dir
     cfg.quick, cfg.progress = quick, False

@@ -74,16 +74,14 @@ HIGHER_ANCHORS: dict[tuple[str, str], tuple[float, str]] = {
 def _load_config(benchmark: str, method: str, args: argparse.Namespace, prog: str = "reproduce"):
     """The run config ``configs/<benchmark>/<method>.yaml`` with the command's scenario, data root, validation,
     device and mode (``args``: configs_dir, scenario, data_dir, validation, device, quick, no_progress)."""
-    import yaml
-
-    from continual_blr.config import RunConfig, from_dict
+    from continual_blr.config import RunConfig, from_dict, yaml_load
 
     folder = Path(args.configs_dir) / benchmark
     path = folder / f"{method}.yaml"
     if not path.is_file():
         available = sorted(p.stem for p in folder.glob("*.yaml"))
         raise SystemExit(f"{prog}: no config {path}; available for {benchmark}: {', '.join(available) or 'none'}")
-    cfg = from_dict(RunConfig, yaml.safe_load(path.read_text()) or {})
+    cfg = from_dict(RunConfig, yaml_load(path.read_text()) or {})
     if args.scenario:
         cfg.stream.scenario = args.scenario
     if args.data_dir:

@@ -42,9 +42,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-import yaml
-
-from continual_blr.config import MethodConfig, RunConfig, from_dict
+from continual_blr.config import MethodConfig, RunConfig, from_dict, yaml_load
 from continual_blr.runner import run_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,7 +115,7 @@ Records = dict[tuple[str, str], list[dict[str, Any]]]
 
 def _load(config: str) -> RunConfig:
     """The run config of ``configs/split_digits/<config>.yaml``."""
-    return from_dict(RunConfig, yaml.safe_load((CONFIGS / f"{config}.yaml").read_text()))
+    return from_dict(RunConfig, yaml_load((CONFIGS / f"{config}.yaml").read_text()))
 
 
 def method_config(row: Row, scenario: str = "task") -> MethodConfig:

@@ -50,11 +50,13 @@ def version() -> str:
 def _read_yaml(path: str) -> dict[str, Any]:
     import yaml
 
+    from .config import yaml_load
+
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml_load(p.read_text())
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""

@@ -162,6 +162,25 @@ def from_dict(cls: type, data: Any, path: str = "config") -> Any:
         raise ConfigError(f"config: {err}") from None
 
 
+_FLOAT_YAML_1_2 = re.compile(r"""^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)(?:[eE][-+]?[0-9]+)?$
+    |^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$""", re.X)
+
+
+def yaml_load(text: str) -> Any:
+    """``yaml.safe_load`` that reads YAML 1.2 floats: ``1e-3`` is the number 0.001, not the string PyYAML's
+    YAML 1.1 rules make of it (they want a dot, ``1.0e-3``). Integers stay integers."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    resolvers = {k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:float"]
+                 for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.yaml_implicit_resolvers = resolvers
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_YAML_1_2, list("-+0123456789."))
+    return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _methods(value: Any, path: str) -> list[MethodConfig]:
     """``methods`` may be a name, a list of names, or a list of mappings."""
     items = [value] if isinstance(value, (str, dict)) else value

@@ -149,3 +149,17 @@ def test_validation_flag_evaluates_on_held_out_training_data(tmp_path, capsys):
     assert main(["run", str(p), "--out", str(tmp_path / "t"), "--no-progress"]) == 0
     assert "final test" in capsys.readouterr().out
     _one_line_error(capsys, ["run", str(p), "--validation", "1.5"], "validation", "[0, 1)")
+
+
+def test_yaml_floats_without_a_dot_are_numbers(tmp_path):
+    """``lr: 1e-3`` is a float (YAML 1.2), not the string PyYAML's YAML 1.1 rules make of it (a newcomer's config
+    was refused with ``train.lr must be float, got '1e-3'``); integers stay integers, strings stay strings."""
+    from continual_blr.config import yaml_load
+
+    assert yaml_load("a: 1e-3\nb: -2E+4\nc: 10\nd: 1.5\ne: abc\nf: 1_000\n") == \
+        {"a": 0.001, "b": -20000.0, "c": 10, "d": 1.5, "e": "abc", "f": 1000}
+    p = tmp_path / "c.yaml"
+    p.write_text("stream: {name: synthetic, options: {n_tasks: 2, n_train: 40}}\nmodel: {hidden: [8]}\n"
+                 "train: {epochs: 1, batch_size: 20, lr: 1e-3}\nmethods: [none]\n")
+    assert main(["run", str(p), "--out", str(tmp_path / "r"), "--no-progress"]) == 0
+    assert json.loads((tmp_path / "r" / "results.json").read_text())["config"]["train"]["lr"] == 0.001
