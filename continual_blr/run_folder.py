@@ -211,13 +211,21 @@ def _point_latest(root: Path, name: str) -> None:
 def check_out_dir(path: str | Path, *, overwrite: bool = False) -> None:
     """Refuse a folder that holds a run unless ``overwrite``.
 
+    Under ``torch.distributed`` only the main process looks and every rank receives its verdict (a collective:
+    every rank calls this at the same point). Otherwise a slower rank could find the ``results.json`` the main
+    process had just begun writing and refuse the run it is part of (the torchrun ``--out`` race).
+
     Raises:
         RunExistsError: ``path`` holds a ``results.json`` and ``overwrite`` is False (one line).
     """
     p = Path(path)
-    if (p / RESULTS).is_file() and not overwrite:
-        raise RunExistsError(f"--out: {p} already holds a run (results.json); pass --overwrite to replace it, "
-                             f"--resume {p} to continue it, or choose another --out")
+    refusal = None
+    if is_main_process() and (p / RESULTS).is_file() and not overwrite:
+        refusal = (f"--out: {p} already holds a run (results.json); pass --overwrite to replace it, "
+                   f"--resume {p} to continue it, or choose another --out")
+    refusal = broadcast_object(refusal)
+    if refusal is not None:
+        raise RunExistsError(refusal)
 
 
 def clear_run(path: str | Path) -> None:

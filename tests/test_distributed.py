@@ -168,6 +168,32 @@ def test_two_processes_equal_one_process(tmp_path):
     assert not torch.allclose(shared["weights"]["heads.0.weight"], own["weights"]["heads.0.weight"], atol=1e-6)
 
 
+def _launch_cli(args: list[str], world: int = 2) -> list[subprocess.Popen]:
+    """``continual-blr`` in ``world`` processes with torchrun's variables (what ``torchrun --nproc-per-node`` sets)."""
+    port = _free_port()
+    return [subprocess.Popen([sys.executable, "-m", "continual_blr", *args], cwd=ROOT, text=True,
+                             env=dict(os.environ, WORLD_SIZE=str(world), RANK=str(r), LOCAL_RANK=str(r),
+                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1"),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(world)]
+
+
+def test_out_under_two_processes_never_refuses_its_own_run(tmp_path):
+    """``--out DIR`` in a 2-process run, three times in a row (issue 24: rank 1 found the results.json rank 0 had
+    just begun and refused the run, about half the time): every run exits 0 and writes its folder. Only rank 0
+    looks at the folder; the ranks share its verdict, so an existing run is still refused on both, in one line."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("stream: {name: synthetic, options: {n_tasks: 2, n_train: 40}}\nmodel: {hidden: [8]}\n"
+                   "train: {epochs: 1, batch_size: 20}\nmethods: [none]\n")
+    for i in range(3):
+        out = tmp_path / f"run{i}"
+        results = _wait(_launch_cli(["run", str(cfg), "--out", str(out), "--no-progress"]), limit_s=120)
+        assert [code for code, _ in results] == [0, 0], results
+        assert (out / "results.json").is_file()
+    results = _wait(_launch_cli(["run", str(cfg), "--out", str(tmp_path / "run0"), "--no-progress"]), limit_s=120)
+    assert [code for code, _ in results] == [2, 2], results
+    assert "already holds a run" in results[0][1] and len(results[0][1].strip().splitlines()) == 1
+
+
 def test_exception_on_one_rank_ends_the_run(tmp_path):
     """Rank 1 raises in the middle of a run: both processes end (exit 1) within a bounded time, and the
     failing rank says why in one line (no traceback)."""
