@@ -203,14 +203,13 @@ def _check_flags(args: argparse.Namespace) -> str | None:
 
 def _sweep_cfg(path: Path):
     """(config, seeds) of a multi-seed folder (its ``sweep.json``), or None."""
-    import json
-
     from .config import RunConfig, from_dict
+    from .run_folder import read_json
 
     p = path / "sweep.json"
     if not p.is_file():
         return None
-    payload = json.loads(p.read_text())
+    payload = read_json(p)
     return from_dict(RunConfig, payload["config"]), list(payload["seeds"])
 
 

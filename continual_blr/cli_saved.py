@@ -53,6 +53,7 @@ def _run_of_config(config_path: Path) -> Path:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    from .run_folder import check_writable
     from .saved_run import inspect_path
 
     if args.top is not None and args.top < 1:
@@ -62,6 +63,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         if path.is_file() and path.suffix in (".yaml", ".yml"):
             path = _run_of_config(path)
         tasks = [args.task] if args.task is not None else None
+        if args.out is not None:  # before minutes of scoring
+            check_writable(args.out, "--out")
         index, insp = inspect_path(path, out=args.out, method=args.method, tasks=tasks, top=args.top,
                                    device=args.device, progress=not args.no_progress)
     except FileNotFoundError as err:
@@ -82,6 +85,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _cmd_predict(args: argparse.Namespace) -> int:
     import numpy as np
 
+    from .run_folder import check_writable
     from .saved_run import load_run
 
     inputs = Path(args.inputs)
@@ -89,11 +93,19 @@ def _cmd_predict(args: argparse.Namespace) -> int:
         return _fail(f"--inputs: file not found: {args.inputs} (allowed: a .npy array [N, *input_shape] or [N, D])")
     try:
         x = np.load(inputs, allow_pickle=False)
-    except (ValueError, OSError) as err:
+    except (ValueError, OSError, EOFError) as err:
         return _fail(f"--inputs: {args.inputs} is not a .npy array ({_first_line(err)})")
+    if not isinstance(x, np.ndarray):  # np.load of a .npz archive
+        return _fail(f"--inputs: {args.inputs} is a .npz archive; allowed: one .npy array [N, *input_shape] or [N, D] "
+                     "(save one with numpy.save)")
     if x.dtype.kind not in "fiu" or x.ndim < 1 or x.shape[0] == 0:
         return _fail(f"--inputs: need a non-empty numeric array, got dtype {x.dtype} shape {x.shape}")
+    if x.dtype.kind == "f" and not np.isfinite(x).all():
+        return _fail(f"--inputs: {args.inputs} holds {int((~np.isfinite(x)).sum())} NaN or infinite values; "
+                     "allowed: finite numbers")
     try:
+        if args.out:
+            check_writable(args.out, "--out", folder=False)
         run = load_run(args.run, args.method, device=args.device)
         if run.stream.likelihood == "classification":
             proba = run.predict_proba(x.astype(np.float32), head=args.head).cpu()
@@ -114,8 +126,11 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     writer.writerows(rows)
     if args.out:
         out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(buf.getvalue())
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(buf.getvalue())
+        except OSError as err:
+            return _fail(f"--out: cannot write {out} ({err.strerror or err})")
         print(f"wrote {out} ({len(rows)} predictions of {run.method_name})", file=sys.stderr)
     else:
         sys.stdout.write(buf.getvalue())

@@ -43,7 +43,8 @@ from torch import nn
 
 from .distributed import broadcast_object, is_main_process
 
-__all__ = ["RunFolder", "RunExistsError", "RunNotFoundError", "new_run_dir", "check_out_dir", "clear_run",
+__all__ = ["RunFolder", "RunExistsError", "RunNotFoundError", "RunFileError", "read_json", "load_torch",
+           "load_weights", "check_writable", "new_run_dir", "check_out_dir", "clear_run",
            "find_generators", "generator_states", "load_generator_states", "deferred_interrupts", "RESULTS"]
 
 RESULTS = "results.json"
@@ -56,6 +57,100 @@ class RunExistsError(ValueError):
 
 class RunNotFoundError(ValueError):
     """A folder given to resume holds no run (no ``results.json``)."""
+
+
+class RunFileError(ValueError):
+    """A file of a run folder cannot be read (truncated, empty, not what the run writes), or a place to write
+    is not writable: one line naming the file (or the option) and what is expected."""
+
+
+def read_json(path: str | Path) -> Any:
+    """The parsed JSON file ``path``.
+
+    Raises:
+        RunFileError: the file is not valid JSON (one line with the file's name, line and column).
+    """
+    p = Path(path)
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as err:
+        raise RunFileError(f"{p}: not valid JSON ({err.msg}, line {err.lineno} column {err.colno}); the file is "
+                           "truncated or was not written by continual-blr") from None
+    except UnicodeDecodeError:
+        raise RunFileError(f"{p}: not a text file; expected the JSON continual-blr writes") from None
+
+
+def load_torch(path: str | Path, map_location: Any = "cpu") -> Any:
+    """``torch.load`` of a run's own file (``weights_only=True`` first, the full unpickler for method states
+    holding other objects: a run folder is trusted input).
+
+    Raises:
+        RunFileError: the file is empty, truncated or not a ``torch.save`` file (one line naming it).
+    """
+    p = Path(path)
+    try:
+        return torch.load(p, map_location=map_location, weights_only=True)
+    except Exception:  # noqa: BLE001 - a state with non-tensor objects, or a broken file: try the full unpickler
+        pass
+    try:
+        return torch.load(p, map_location=map_location, weights_only=False)
+    except Exception as err:  # noqa: BLE001 - every way a damaged file fails to unpickle
+        size = p.stat().st_size if p.is_file() else 0
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise RunFileError(f"{p}: cannot be read ({size} bytes; {type(err).__name__}: {first[:120]}); the file is "
+                           "empty, truncated or not written by continual-blr") from None
+
+
+def load_weights(model: nn.Module, state: dict[str, Any], what: str) -> None:
+    """``model.load_state_dict(state)`` with a one-line error when the weights do not fit the network.
+
+    Raises:
+        RunFileError: missing, unexpected or differently shaped weights (the first of them named).
+    """
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as err:
+        detail = next((ln.strip() for ln in str(err).splitlines()[1:] if ln.strip()), str(err).splitlines()[0])
+        raise RunFileError(f"{what}: the saved weights do not fit the network its config builds ({detail[:160]}); "
+                           "was the run folder's config edited, or a file copied from another run?") from None
+
+
+def check_writable(path: str | Path, option: str, *, folder: bool = True) -> None:
+    """Refuse a place to write that cannot be written, before any work: ``path`` (a folder, or with
+    ``folder=False`` a file whose parent folder is checked) must be creatable. The missing folders are
+    created to try and removed again, so nothing is left behind.
+
+    Raises:
+        RunFileError: one line naming ``option``, the path and the reason.
+    """
+    p = Path(path)
+    if folder and p.exists() and not p.is_dir():
+        raise RunFileError(f"{option}: {p} is a file; allowed: a folder (new or holding a run)")
+    if not folder and p.is_dir():
+        raise RunFileError(f"{option}: {p} is a folder; allowed: a file name")
+    target = p if folder else p.parent
+    created = []
+    try:
+        probe = target
+        missing = []
+        while not probe.exists():
+            missing.append(probe)
+            probe = probe.parent
+        if not probe.is_dir():
+            raise NotADirectoryError(f"{probe} is a file")
+        for d in reversed(missing):
+            d.mkdir()
+            created.append(d)
+        fd, tmp = tempfile.mkstemp(dir=target, prefix=".write-test-")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as err:
+        reason = err.strerror or str(err)
+        raise RunFileError(f"{option}: cannot write to {p} ({reason})") from None
+    finally:
+        for d in reversed(created):
+            with contextlib.suppress(OSError):
+                d.rmdir()
 
 
 def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
@@ -159,7 +254,7 @@ class RunFolder:
     def read_results(self) -> dict[str, Any] | None:
         """The parsed ``results.json``, or None when there is none."""
         p = self.path / RESULTS
-        return json.loads(p.read_text()) if p.is_file() else None
+        return read_json(p) if p.is_file() else None
 
 
 def _complete(row: dict[str, str | None], header: list[str]) -> bool:
@@ -209,20 +304,28 @@ def _point_latest(root: Path, name: str) -> None:
 
 
 def check_out_dir(path: str | Path, *, overwrite: bool = False) -> None:
-    """Refuse a folder that holds a run unless ``overwrite``.
+    """Refuse a folder that holds a run unless ``overwrite``, and one that cannot be written (a file, no
+    permission, a read-only file system).
 
     Under ``torch.distributed`` only the main process looks and every rank receives its verdict (a collective:
     every rank calls this at the same point). Otherwise a slower rank could find the ``results.json`` the main
     process had just begun writing and refuse the run it is part of (the torchrun ``--out`` race).
 
     Raises:
-        RunExistsError: ``path`` holds a ``results.json`` and ``overwrite`` is False (one line).
+        RunExistsError: ``path`` holds a ``results.json`` and ``overwrite`` is False, or cannot be written
+            (one line naming ``--out``).
     """
     p = Path(path)
     refusal = None
-    if is_main_process() and (p / RESULTS).is_file() and not overwrite:
-        refusal = (f"--out: {p} already holds a run (results.json); pass --overwrite to replace it, "
-                   f"--resume {p} to continue it, or choose another --out")
+    if is_main_process():
+        if (p / RESULTS).is_file() and not overwrite:
+            refusal = (f"--out: {p} already holds a run (results.json); pass --overwrite to replace it, "
+                       f"--resume {p} to continue it, or choose another --out")
+        else:
+            try:
+                check_writable(p, "--out")
+            except RunFileError as err:
+                refusal = str(err)
     refusal = broadcast_object(refusal)
     if refusal is not None:
         raise RunExistsError(refusal)

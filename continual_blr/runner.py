@@ -33,8 +33,8 @@ from .methods import build_method
 from .methods.base import Method, TrainConfig
 from .models import build_model
 from .run_folder import (
-    CHECKPOINT, RunFolder, RunNotFoundError, check_out_dir, clear_run, deferred_interrupts, generator_states,
-    load_generator_states, new_run_dir,
+    CHECKPOINT, RunFileError, RunFolder, RunNotFoundError, check_out_dir, clear_run, deferred_interrupts,
+    generator_states, load_generator_states, load_torch, load_weights, new_run_dir, read_json,
 )
 from .run_logs import TrainingLog
 
@@ -238,17 +238,18 @@ class _Writer:
 
 
 def _load_checkpoint(path: Path) -> dict[str, Any]:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # noqa: BLE001 - a method state with non-tensor objects; the run folder is the user's own
-        return torch.load(path, map_location="cpu", weights_only=False)
+    state = load_torch(path)
+    if not isinstance(state, dict) or "model" not in state or "progress" not in state:
+        raise RunFileError(f"{path}: not a checkpoint written by continual-blr (no model state); remove it to "
+                           "restart that method's unfinished task from the start")
+    return state
 
 
 def _restore(state: dict[str, Any]):
     """``restore(model, method)`` for :func:`run_stream`: load model, method, optimiser and generator states."""
 
     def restore(model: nn.Module, method: Method) -> None:
-        model.load_state_dict(state["model"])
+        load_weights(model, state["model"], "the checkpoint")
         method.load_state_dict(state["method"])
         opt = getattr(method, "optimizer", None)
         if state.get("optimizer") is not None and isinstance(opt, torch.optim.Optimizer):
@@ -298,11 +299,17 @@ def run_config(cfg: RunConfig, save: bool = True, *, overwrite: bool = False, re
             info = done.get(d["method"], {})
             writer.progress[d["method"]] = (int(info.get("finished_tasks", 0)), len(stream.tasks))
     n_tasks = len(stream.tasks)
+    # every checkpoint a resume will use is read before anything is written: a damaged one is one line, exit 2
+    def finished(name: str) -> bool:
+        return writer.progress.get(name, (0, n_tasks))[0] == n_tasks and (folder.path / name / "model.pt").is_file()
+
+    states = {mc.name: _load_checkpoint(folder.path / mc.name / CHECKPOINT) for mc in cfg.methods
+              if save and resume and not finished(mc.name) and (folder.path / mc.name / CHECKPOINT).is_file()}
     if save:
         writer.write_results()
     try:
         for mc in cfg.methods:
-            if writer.progress.get(mc.name, (0, n_tasks))[0] == n_tasks and (folder.path / mc.name / "model.pt").is_file():
+            if finished(mc.name):
                 continue  # finished before: reloaded from results.json
             method = build_method(mc.name, mc.params, seed=cfg.seed)
             train = _train_for(cfg, mc.train)
@@ -310,9 +317,8 @@ def run_config(cfg: RunConfig, save: bool = True, *, overwrite: bool = False, re
                                 hidden=tuple(cfg.model.hidden), generator=torch.Generator().manual_seed(cfg.seed))
             record = cfg.to_dict() | {"method": dataclasses.asdict(mc), "train_used": dataclasses.asdict(train)}
             start, restore = None, None
-            ckpt = folder.path / mc.name / CHECKPOINT
-            if save and resume and ckpt.is_file():
-                state = _load_checkpoint(ckpt)
+            state = states.pop(mc.name, None)
+            if state is not None:
                 start, restore = LoopProgress(**state["progress"]), _restore(state)
             log = TrainingLog(folder, mc.name, tensorboard) if save else None
             if log is not None:
@@ -362,5 +368,5 @@ def load_results(path: str | Path) -> list[StreamResult]:
     p = Path(path)
     if p.is_dir():
         p = p / "results.json"
-    payload = json.loads(p.read_text())
+    payload = read_json(p)
     return [StreamResult.from_dict(d) for d in payload["results"]]

@@ -29,7 +29,6 @@ This module sits in the runner's layer (it reads the run configuration); inspect
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ from .inspect.saved_run import SavedRun, has_memory_store
 from .methods import METHODS, build_method
 from .methods.base import TrainConfig
 from .models import build_model
+from .run_folder import RunFileError, load_torch, load_weights, read_json
 from .runner import build_stream
 
 __all__ = ["LoadedRun", "RunNotFoundError", "load_run", "saved_methods", "check_config_matches", "inspect_path"]
@@ -123,10 +123,7 @@ class LoadedRun(SavedRun):
 
 
 def _torch_load(path: Path, device: str) -> Any:
-    try:
-        return torch.load(path, map_location=device, weights_only=True)
-    except Exception:  # noqa: BLE001 - a state with non-tensor objects: the run folder is trusted input
-        return torch.load(path, map_location=device, weights_only=False)
+    return load_torch(path, map_location=device)
 
 
 def _run_folder(path: str | Path) -> tuple[Path, str | None]:
@@ -147,7 +144,9 @@ def _run_folder(path: str | Path) -> tuple[Path, str | None]:
 
 
 def _read_payload(folder: Path) -> tuple[dict[str, Any], RunConfig]:
-    payload = json.loads((folder / RESULTS).read_text())
+    payload = read_json(folder / RESULTS)
+    if not isinstance(payload, dict) or "config" not in payload:
+        raise RunFileError(f"{folder / RESULTS}: holds no run config; expected the results.json continual-blr writes")
     return payload, from_dict(RunConfig, payload["config"])
 
 
@@ -212,7 +211,7 @@ def load_run(path: str | Path, method: str | None = None, *, device: str = "cpu"
     stream = build_stream(config)
     model = build_model(config.model.arch, stream.input_shape, stream.n_outputs, stream.n_heads,
                         hidden=tuple(config.model.hidden)).to(dev)
-    model.load_state_dict(_torch_load(mdir / "model.pt", dev))
+    load_weights(model, _torch_load(mdir / "model.pt", dev), str(mdir / "model.pt"))
     model.eval()
     result = results.get(name, {})
     train_dict = (result.get("config") or {}).get("train_used") or (dataclasses.asdict(config.train) | dict(mc.train))
