@@ -210,6 +210,7 @@ class _Writer:
         self.folder, self.cfg, self.tensorboard = folder, cfg, tensorboard
         self.results: dict[str, StreamResult] = {}
         self.progress: dict[str, tuple[int, int]] = {}
+        self.stream: TaskStream | None = None  # described in results.json: prediction needs no dataset
 
     def write_results(self) -> None:
         results = [self.results[m.name] for m in self.cfg.methods if m.name in self.results]
@@ -217,6 +218,8 @@ class _Writer:
                    "results": [r.to_dict() for r in results],
                    "progress": {m: {"finished_tasks": k, "n_tasks": n, "complete": k == n}
                                 for m, (k, n) in self.progress.items()}}
+        if self.stream is not None:
+            payload["stream"] = self.stream.describe()
         self.folder.write_json("results.json", payload)
         if results:
             self.folder.write_text("results.md", f"```\n{format_table(results)}\n```\n")
@@ -291,6 +294,7 @@ def run_config(cfg: RunConfig, save: bool = True, *, overwrite: bool = False, re
         cfg = resolve_out(cfg, overwrite=overwrite)
     folder = RunFolder(cfg.out if cfg.out is not None else ".")
     writer = _Writer(folder, cfg, tensorboard)
+    writer.stream = stream
     previous = folder.read_results() if (save and resume) else None
     if previous is not None:
         done = previous.get("progress", {})

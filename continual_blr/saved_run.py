@@ -1,12 +1,13 @@
 """Reload a run folder written by ``continual-blr run`` and predict with it: save → load → predict.
 
     import continual_blr
-    run = continual_blr.load_run("runs/latest", method="fromp")     # model, method, config, results
+    run = continual_blr.load_run("runs/latest", method="fromp", data=True)  # model, method, config, results, data
     proba = run.predict_proba(x_new, head=0)                        # [N, K] class probabilities
     labels = run.predict(x_new, head=0)                             # [N] class indices
 
-Nothing is retrained. The stream is rebuilt from the saved config (streams are deterministic in their
-seed; it gives the input shape, the number of heads and the likelihood), the network from the config's
+Nothing is retrained. The stream is the description the run stored in ``results.json`` (input shape,
+heads, classes, likelihood; no examples, so no dataset is needed), or with ``data=True`` rebuilt from the
+saved config with its datasets (streams are deterministic in their seed), the network from the config's
 architecture and its saved weights, and the method from the registry with its saved state, so the
 predictions are the method's own predictive: a Monte-Carlo average over the posterior for the methods
 that define one (``blr``, ``vcl``, ``ivon``, ... with ``predict_samples``), the network's softmax for
@@ -14,7 +15,7 @@ the others (``continual_blr.methods.base.Method.predict_proba``).
 
 Run folder layout read here (other files, e.g. per-task checkpoints or logs, are ignored)::
 
-    <run>/results.json          {"config": ..., "results": [finished methods' results], ...}
+    <run>/results.json          {"config": ..., "stream": its description, "results": [...], ...}
     <run>/<method>/model.pt     the network's state_dict     (written when the method finished)
     <run>/<method>/method.pt    method.state_dict()          (idem)
 
@@ -40,6 +41,7 @@ import torch
 from torch import Tensor
 
 from .config import RunConfig, from_dict
+from .data.stream import TaskStream
 from .inspect.saved_run import SavedRun, has_memory_store
 from .methods import METHODS, build_method
 from .methods.base import TrainConfig
@@ -173,7 +175,7 @@ def _default_method(folder: Path, config: RunConfig, prefer_memory: bool) -> str
 
 
 def load_run(path: str | Path, method: str | None = None, *, device: str = "cpu",
-             prefer_memory: bool = False) -> LoadedRun:
+             prefer_memory: bool = False, data: bool = False) -> LoadedRun:
     """Reload a run folder (or one of its ``<method>/`` subfolders) without retraining.
 
     Args:
@@ -183,6 +185,11 @@ def load_run(path: str | Path, method: str | None = None, *, device: str = "cpu"
         device: where to put the network and the method's state (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
         prefer_memory: the default method is the first one with a memory store (the FROMP family), as
             inspection wants.
+        data: also load the stream's datasets (they must be on disk), so that ``run.stream.tasks`` hold the
+            training and test examples. False (the default): ``run.stream`` is the description the run
+            stored in ``results.json`` — shapes, heads, classes, no examples (``meta["skeleton"]``) — which is
+            all prediction needs, on a machine without the dataset. A run written before descriptions were
+            stored loads its datasets either way.
 
     Returns:
         A :class:`LoadedRun`: ``model``, ``method``, ``config``, ``result`` (this method's results),
@@ -208,7 +215,7 @@ def load_run(path: str | Path, method: str | None = None, *, device: str = "cpu"
     dev = _check_device(device)
     results = {r["method"]: r for r in payload.get("results", []) if isinstance(r, dict) and "method" in r}
     mc = next(m for m in config.methods if m.name == name)
-    stream = build_stream(config)
+    stream = build_stream(config) if data or "stream" not in payload else TaskStream.skeleton(payload["stream"])
     model = build_model(config.model.arch, stream.input_shape, stream.n_outputs, stream.n_heads,
                         hidden=tuple(config.model.hidden)).to(dev)
     load_weights(model, _torch_load(mdir / "model.pt", dev), str(mdir / "model.pt"))
@@ -274,7 +281,7 @@ def inspect_path(path: str | Path, *, out: str | Path | None = None, method: str
     from .inspect import inspect_run, write_report
 
     t0 = time.perf_counter()
-    run = load_run(path, method, device=device, prefer_memory=True)
+    run = load_run(path, method, device=device, prefer_memory=True, data=True)
     t_load = time.perf_counter() - t0
     insp = inspect_run(run, tasks=tasks, top=top, prior_precision=prior_precision, progress=progress)
     insp.timings = {"load": t_load, **insp.timings}

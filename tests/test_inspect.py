@@ -227,7 +227,7 @@ def test_report_topk_equals_fromp_memory_and_files_valid(fromp_run, tmp_path):
     rep = tmp_path / "rep"
     index, insp = inspect_path(fromp_run, out=rep)
     assert insp.run.method_name == "fromp"  # the default is the first method with a stored memory
-    mem = stored_memory(load_run(fromp_run, "fromp"))
+    mem = stored_memory(load_run(fromp_run, "fromp", data=True))
     assert mem, "FROMP run stored no memory"
     for s in insp.scores:
         stored = set(mem[s.task_id]["indices"].tolist())

@@ -43,7 +43,7 @@ def _final_row(run: LoadedRun) -> list[float]:
 
 @pytest.mark.parametrize("name", ["none", "fromp"])
 def test_loaded_run_reproduces_the_final_accuracies(run_dir, name):
-    run = continual_blr.load_run(run_dir, name)
+    run = continual_blr.load_run(run_dir, name, data=True)
     assert isinstance(run, LoadedRun) and run.method_name == name
     assert run.config is not None and [m.name for m in run.config.methods] == ["none", "fromp", "blr"]
     saved = run.result["acc_matrix"][-1]
@@ -53,7 +53,7 @@ def test_loaded_run_reproduces_the_final_accuracies(run_dir, name):
 def test_blr_predicts_with_its_posterior_samples(run_dir):
     """``predict_samples`` > 0: the predictive averages sampled networks, so it is not the mean network's
     softmax, and the accuracy stays close to the one the run measured (fresh Monte-Carlo draws)."""
-    run = load_run(run_dir, "blr")
+    run = load_run(run_dir, "blr", data=True)
     task = run.stream.tasks[0]
     proba = run.predict_proba(task.x_test, head=task.head)
     assert proba.shape == (task.x_test.shape[0], run.stream.n_outputs)
@@ -65,7 +65,7 @@ def test_blr_predicts_with_its_posterior_samples(run_dir):
 
 
 def test_flat_numpy_inputs_and_head_checks(run_dir):
-    run = load_run(run_dir, "none")
+    run = load_run(run_dir, "none", data=True)
     task = run.stream.tasks[2]
     flat = task.x_test.reshape(task.x_test.shape[0], -1).numpy()
     torch.testing.assert_close(run.predict_proba(flat, head=2), run.predict_proba(task.x_test, head=2))
@@ -111,7 +111,7 @@ def _csv_rows(text: str) -> list[dict[str, str]]:
 
 
 def test_cli_predict_writes_the_methods_predictions(run_dir, tmp_path, capsys):
-    run = load_run(run_dir, "fromp")
+    run = load_run(run_dir, "fromp", data=True)
     task = run.stream.tasks[3]
     np.save(tmp_path / "x.npy", task.x_test[:7].numpy())
     out = tmp_path / "preds.csv"
@@ -148,3 +148,31 @@ def test_cli_predict_bad_input_is_one_line(run_dir, tmp_path, capsys, args, need
     assert rc == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("continual-blr: error:") and "\n" not in err and needle in err, err
+
+
+def test_predict_needs_no_dataset(tmp_path, capsys, monkeypatch):
+    """A split-MNIST run (generated MNIST files) predicts after its data root is emptied: ``predict`` and
+    ``load_run`` read the stream's description from ``results.json`` (issue 24: ``MNIST not found``). The
+    predictions equal those made with the data present; ``data=True`` then says the data is missing."""
+    from test_data import _fake_mnist
+
+    data = tmp_path / "data"
+    _fake_mnist(data, gz=False, per_class=(8, 4))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"stream: {{name: split_mnist, data_dir: {data}, options: {{download: false}}}}\n"
+                   "model: {hidden: [16]}\ntrain: {epochs: 1, batch_size: 16}\nprogress: false\nmethods: [ewc]\n")
+    assert main(["run", str(cfg), "--out", str(tmp_path / "run")]) == 0
+    x = np.random.default_rng(0).random((5, 784), dtype=np.float32)
+    np.save(tmp_path / "x.npy", x)
+    with_data = load_run(tmp_path / "run", data=True).predict_proba(x, head=2)
+    shutil.rmtree(data)
+    data.mkdir()  # the data root now points at an empty folder
+    capsys.readouterr()
+    assert main(["predict", str(tmp_path / "run"), "--inputs", str(tmp_path / "x.npy"), "--head", "2"]) == 0
+    rows = _csv_rows(capsys.readouterr().out)
+    got = torch.tensor([[float(r["p_0"]), float(r["p_1"])] for r in rows])
+    torch.testing.assert_close(got, with_data, rtol=1e-5, atol=1e-6)
+    run = load_run(tmp_path / "run")
+    assert run.stream.meta.get("skeleton") and run.stream.tasks[2].classes == (4, 5)
+    with pytest.raises(Exception, match="MNIST"):
+        load_run(tmp_path / "run", data=True)

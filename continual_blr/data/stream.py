@@ -101,3 +101,29 @@ class TaskStream:
     @property
     def multi_head(self) -> bool:
         return self.n_heads > 1
+
+    def describe(self) -> dict:
+        """What a trained network needs to know of this stream, without its data (JSON-ready): name, scenario,
+        input shape, outputs per head, heads, likelihood, σ, and per task its id, classes, head, name and size.
+        A run stores it in ``results.json`` so that prediction needs no dataset (:meth:`skeleton`)."""
+        return {"name": self.name, "scenario": self.scenario, "input_shape": list(self.input_shape),
+                "n_outputs": self.n_outputs, "n_heads": self.n_heads, "likelihood": self.likelihood,
+                "sigma": self.sigma, "tasks": [{"task_id": t.task_id, "classes": list(t.classes), "head": t.head,
+                                                "name": t.name, "n_train": t.n_train} for t in self.tasks]}
+
+    @classmethod
+    def skeleton(cls, info: dict) -> "TaskStream":
+        """A stream with :meth:`describe`'s structure and no examples (every task's tensors are empty): enough to
+        build the network and set a method up for prediction. ``meta["skeleton"]`` is True."""
+        shape = tuple(int(d) for d in info["input_shape"])
+        regression = info.get("likelihood", "classification") == "regression"
+
+        def empty_targets() -> Tensor:
+            return torch.zeros(0) if regression else torch.zeros(0, dtype=torch.int64)
+
+        tasks = [Task(int(t["task_id"]), torch.zeros(0, *shape), empty_targets(), torch.zeros(0, *shape),
+                      empty_targets(), tuple(int(c) for c in t["classes"]), head=int(t.get("head", 0)),
+                      name=str(t.get("name", ""))) for t in info["tasks"]]
+        return cls(str(info["name"]), tasks, str(info["scenario"]), shape, int(info["n_outputs"]),
+                   int(info["n_heads"]), meta={"skeleton": True}, likelihood=info.get("likelihood", "classification"),
+                   sigma=float(info.get("sigma", 1.0)))
