@@ -111,7 +111,86 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 _RESUME_KEEPS = ("device", "data_dir", "threads", "no_progress", "tensorboard")
 _RESUME_REFUSES = {"config": "CONFIG", "method": "--method", "seed": "--seed", "seeds": "--seeds", "out": "--out",
-                   "epochs": "--epochs", "validation": "--validation", "quick": "--quick", "overwrite": "--overwrite"}
+                   "epochs": "--epochs", "validation": "--validation", "quick": "--quick", "overwrite": "--overwrite",
+                   "imports": "--import"}
+
+
+def _import_path(name: object, base: Path) -> object:
+    """An ``imports`` entry as the run records it: a ``.py`` path made absolute (relative to the config's
+    folder), a module name that is a file in the config's folder as that file's path (so that ``--resume`` and
+    ``predict`` find it from anywhere), any other module name as given."""
+    if not isinstance(name, str):
+        return name
+    if name.endswith(".py"):
+        return str((base / name).resolve()) if not Path(name).is_absolute() else name
+    local = base / (name.replace(".", "/") + ".py")
+    return str(local.resolve()) if local.is_file() else name
+
+
+def _cmd_methods(args: argparse.Namespace) -> int:
+    """``continual-blr methods [NAME]``: the registered methods (with a one-line description each), or one
+    method's parameters with their types, defaults and one-line docs."""
+    import dataclasses
+    import typing
+
+    from .methods import available_methods
+    from .methods.plugins import import_modules
+
+    try:
+        import_modules([_import_path(m, Path.cwd()) for m in (args.imports or [])])
+    except ValueError as err:
+        return _fail(str(err))
+    methods = available_methods()
+    if args.name is None:
+        width = max(map(len, methods))
+        for name in sorted(methods):
+            cls, _ = methods[name]
+            doc = (cls.__doc__ or "").strip().splitlines()
+            print(f"{name:<{width}}  {doc[0] if doc else ''}")
+        return 0
+    if args.name not in methods:
+        return _fail(f"methods: unknown method {args.name!r}; allowed: {', '.join(sorted(methods))}")
+    cls, params_cls = methods[args.name]
+    doc = (cls.__doc__ or "").strip().splitlines()
+    print(f"{args.name}: {doc[0] if doc else cls.__name__}")
+    if params_cls is None:
+        print("  (no parameters)")
+        return 0
+    field_docs = _attribute_docs(params_cls.__doc__ or "")
+    hints = typing.get_type_hints(params_cls)
+    print(f"parameters ({params_cls.__name__}; give them under params: in a config):")
+    for f in dataclasses.fields(params_cls):
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")
+        kind = getattr(hints.get(f.name), "__name__", str(hints.get(f.name))).replace("typing.", "")
+        print(f"  {f.name}: {kind} = {default!r}  {field_docs.get(f.name, '')}")
+    return 0
+
+
+def _attribute_docs(doc: str) -> dict[str, str]:
+    """The first sentence of each entry of a Google-style ``Attributes:`` section."""
+    import inspect
+
+    out: dict[str, str] = {}
+    inside, current = False, None
+    for line in inspect.cleandoc(doc).splitlines():
+        stripped = line.strip()
+        if stripped == "Attributes:":
+            inside = True
+            continue
+        if not inside:
+            continue
+        if stripped and not line.startswith(" "):
+            break  # the next section
+        if stripped and not line.startswith(" " * 8) and ":" in stripped:
+            name, _, text = stripped.partition(":")
+            if " " in name:
+                break
+            current = name
+            out[current] = text.strip()
+        elif stripped and current is not None and not out[current].endswith("."):
+            out[current] += " " + stripped
+    return {k: v.split(". ")[0].rstrip(".") + "." if v else "" for k, v in out.items()}
 
 
 def _build_config(args: argparse.Namespace):
@@ -120,6 +199,11 @@ def _build_config(args: argparse.Namespace):
     from .methods import METHODS
 
     data = _read_yaml(args.config) if args.config else {}
+    base = Path(args.config).resolve().parent if args.config else Path.cwd()
+    imports = data.get("imports", []) if isinstance(data.get("imports", []), list) else data.get("imports")
+    if not isinstance(imports, list):
+        return f"imports: got {imports!r}; allowed: a list of module names or .py paths"
+    data = dict(data, imports=[_import_path(m, base) for m in imports + list(args.imports or [])])
     cfg = from_dict(RunConfig, data)
     if args.method:
         unknown = [m for m in args.method if m not in METHODS]
@@ -316,11 +400,14 @@ def _run_sweep(cfg, seeds: list[int], args: argparse.Namespace) -> int:
 
 def _epilog() -> str:
     from .data import STREAMS
-    from .methods import METHODS
+    from .methods import available_methods
+
+    METHODS = available_methods()
 
     return (f"methods: {', '.join(sorted(METHODS))}\n"
             f"streams: {', '.join(sorted(STREAMS))}\n"
             "run folders, --resume, --seeds, --threads, logs: docs/runs.md\n"
+            "a method's parameters: continual-blr methods NAME; your own methods: docs/own_method.md\n"
             "several processes: torchrun --nproc-per-node N -m continual_blr run CONFIG (docs/distributed.md)")
 
 
@@ -365,7 +452,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--tensorboard", action="store_true",
                      help="also write TensorBoard events to RUN/tensorboard/ (needs the tensorboard package)")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    run.add_argument("--import", dest="imports", action="append", metavar="MODULE",
+                     help="a module (name or .py path) that registers methods of your own (repeatable; recorded "
+                          "with the run: docs/own_method.md)")
     run.set_defaults(func=_cmd_run)
+    meth = sub.add_parser("methods", help="list the methods, or one method's parameters",
+                          description="The registered methods (those of --import modules and installed "
+                                      "packages' entry points included), or NAME's parameters with defaults.")
+    meth.add_argument("name", nargs="?", help="a method's name: list its parameters")
+    meth.add_argument("--import", dest="imports", action="append", metavar="MODULE",
+                      help="a module (name or .py path) that registers methods of your own (repeatable)")
+    meth.set_defaults(func=_cmd_methods)
     from .cli_saved import add_saved_run_parsers
 
     add_saved_run_parsers(sub)

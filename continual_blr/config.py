@@ -12,6 +12,7 @@ import dataclasses
 import re
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .methods import _type_ok
@@ -90,10 +91,19 @@ class RunConfig:
     out: str | None = None
     progress: bool = True
     quick: bool = False
+    # modules that register methods of your own (names, or paths to .py files), imported before the methods
+    # are looked up; stored with the run so that --resume, predict and inspect import them again
+    imports: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_device(self.device)
         check_seed(self.seed)
+        if self.imports:
+            from .methods.plugins import import_modules
+
+            self.imports = [str(Path(m).resolve()) if isinstance(m, str) and m.endswith(".py") else m
+                            for m in self.imports]
+            import_modules(self.imports)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -5,8 +5,10 @@ params as an instance of that dataclass or as a plain mapping (parsed YAML), whi
 checks against the dataclass: unknown keys and wrong types are one-line errors naming the method and the
 field. The check lives here, in the methods layer, so that the registry does not import the run
 configuration (``continual_blr.config`` sits above the methods and imports them, never the reverse).
-To add a method: write ``methods/<name>.py`` with a ``Method`` subclass and its params dataclass, and
-add one line to ``METHODS``.
+To add a method inside the package: write ``methods/<name>.py`` with a ``Method`` subclass and its params
+dataclass, and add one line to ``METHODS``. Outside it: call :func:`register` in a module of your own and
+name the module in a config's ``imports:`` (or ``--import``), or declare it as an entry point of the group
+``continual_blr.methods`` (:mod:`continual_blr.methods.plugins`, ``docs/own_method.md``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from .laplace import LaplaceMethod, LaplaceParams
 from .vcl import VCLMethod, VCLParams
 
 __all__ = ["Method", "TrainConfig", "METHODS", "MethodParamsError", "build_method", "make_torch_optimizer",
-           "parse_params", "register"]
+           "parse_params", "register", "available_methods"]
 
 METHODS: dict[str, tuple[type[Method], type | None]] = {
     "none": (Method, None),
@@ -48,8 +50,27 @@ METHODS: dict[str, tuple[type[Method], type | None]] = {
 
 
 def register(name: str, method_cls: type[Method], params_cls: type | None) -> None:
-    """Add a method to the registry (used by the method modules and by users' own methods)."""
+    """Add a method to the registry (used by the method modules and by users' own methods).
+
+    Raises:
+        ValueError: ``name`` is not a non-empty string, ``method_cls`` is not a ``Method`` subclass, or
+            ``params_cls`` is neither None nor a dataclass.
+    """
+    if not isinstance(name, str) or not name or any(c.isspace() for c in name):
+        raise ValueError(f"register: name must be a non-empty string without spaces, got {name!r}")
+    if not (isinstance(method_cls, type) and issubclass(method_cls, Method)):
+        raise ValueError(f"register: {name!r}: method_cls must be a subclass of continual_blr.methods.Method")
+    if params_cls is not None and not dataclasses.is_dataclass(params_cls):
+        raise ValueError(f"register: {name!r}: params_cls must be a dataclass or None")
     METHODS[name] = (method_cls, params_cls)
+
+
+def available_methods() -> dict[str, tuple[type[Method], type | None]]:
+    """The registry, with the methods of installed packages' ``continual_blr.methods`` entry points loaded."""
+    from .plugins import load_entry_points
+
+    load_entry_points()
+    return METHODS
 
 
 class MethodParamsError(ConfigError):
@@ -136,7 +157,7 @@ def build_method(name: str, params: Any = None, seed: int = 0) -> Method:
         ValueError: unknown method name (the message lists the allowed names).
         MethodParamsError: bad params; the message starts with ``method '<name>':``.
     """
-    if name not in METHODS:
+    if name not in METHODS and name not in available_methods():
         raise ValueError(f"method: unknown method {name!r}; allowed: {', '.join(sorted(METHODS))}")
     method_cls, params_cls = METHODS[name]
     if params_cls is None:
