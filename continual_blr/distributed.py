@@ -11,7 +11,8 @@ Data parallelism in this library (``docs/distributed.md``):
   at most one example);
 * gradient-like quantities are sums over examples: each rank computes the sum over its shard (or its
   shard's mean times b_r / B) and :func:`all_reduce_sum_` adds them up, so the result equals one
-  process's on the global batch up to the order of floating-point additions;
+  process's on the global batch up to the order of floating-point additions (per step: over a float32 run
+  the differences grow as another seed's would; ``docs/distributed.md``);
 * selections over a data set (FROMP's memorable points) use :func:`all_gather_cat` so that every rank
   holds the scores of all examples and chooses the same top k.
 

@@ -6,7 +6,8 @@
 
 ``--data-dir`` is the folder holding ``MNIST/raw/`` (torchvision's layout); without it Avalanche
 downloads MNIST to ``~/.avalanche/data/mnist``. The defaults are FROMP's split-MNIST protocol
-(784-256-256 MLP with one 2-way head per task, Adam 1e-4, batch 128, 15 epochs, gradient clip 0.1,
+(784-256-256 MLP with one 2-way head per task, Adam 1e-4, batch 128, 15 epochs, gradient-norm clip 1.0 — the
+reference's 0.1 on (1/τ)·gradient, in our units of the gradient of CE + (τ/2)·regulariser —
 τ = 10, 40 memorable points per task; docs/avalanche.md). Everything Avalanche-specific is plain
 Avalanche; the only continual_blr line that matters is the plugin.
 """
@@ -42,7 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=15)
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--grad-clip", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0,
+                   help="gradient-norm clip of CE + (tau/2) reg (the reference's 0.1 on its (1/tau)-scaled gradient)")
     p.add_argument("--hidden", type=int, nargs="+", default=[256, 256])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
