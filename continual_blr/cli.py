@@ -348,7 +348,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                     if cfg.stream.validation else "test")
     print(f"final {evaluated_on} accuracy (%) per task after the last task:")
     print(_format_table(results))
-    out = Path(results[0].config.get("out") or ".")
+    out = Path(cfg.out) if cfg.out is not None else Path(results[0].config.get("out") or ".")  # a copied run: here
     print(f"\nwrote {out / 'results.json'}, {out / 'results.md'} and {out / 'accuracy_matrix.png'}"
           + (" (runs/latest points here)" if cfg.out is None else ""))
     return 0

@@ -72,12 +72,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     except _ERRORS as err:
         return _fail(_first_line(err))
     if args.method is None:
+        others = [m for m in insp.run.methods if m != insp.run.method_name]
+        choose = f"; choose another with --method: {', '.join(others)}" if others else ""
         if insp.has_memory:
-            print(f"inspected {insp.run.method_name} (the first method with a stored memory; choose another with "
-                  f"--method: {', '.join(insp.run.methods)})")
+            print(f"inspected {insp.run.method_name} (the first method with a stored memory{choose})")
         else:
             print(f"inspected {insp.run.method_name}: no method of this run stores a memory, so 'memorable' is the "
-                  f"top-k by tr Λ at the final weights (choose with --method: {', '.join(insp.run.methods)})")
+                  f"top-k by tr Λ at the final weights{choose}")
     print(f"wrote {index}")
     return 0
 
@@ -89,6 +90,8 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     from .saved_run import load_run
 
     inputs = Path(args.inputs)
+    if inputs.exists() and not inputs.is_file():
+        return _fail(f"--inputs: {args.inputs} is not a regular file (allowed: a .npy array [N, *input_shape] or [N, D])")
     if not inputs.is_file():
         return _fail(f"--inputs: file not found: {args.inputs} (allowed: a .npy array [N, *input_shape] or [N, D])")
     try:
@@ -119,7 +122,8 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     except FileNotFoundError as err:
         return _fail(_first_line(err))
     except _ERRORS as err:
-        return _fail(_first_line(err))
+        msg = _first_line(err)  # the Python API's "head:" / "pass head=" are the CLI's --head
+        return _fail("--" + msg.replace("pass head=", "pass --head ") if msg.startswith("head:") else msg)
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(header)

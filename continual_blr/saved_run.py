@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from .config import RunConfig, from_dict
+from .data.registry import DEFAULT_SCENARIOS
 from .data.stream import TaskStream
 from .inspect.saved_run import SavedRun, has_memory_store
 from .methods import METHODS, build_method
@@ -250,9 +251,12 @@ def check_config_matches(config: RunConfig, path: str | Path, config_name: str =
     """
     folder, _ = _run_folder(path)
     _, saved = _read_payload(folder)
+    def scenario(c: RunConfig) -> str | None:  # None is the stream's default scenario: compare what ran
+        return c.stream.scenario or DEFAULT_SCENARIOS.get(c.stream.name)
+
     pairs = [
         ("stream", config.stream.name, saved.stream.name),
-        ("stream.scenario", config.stream.scenario, saved.stream.scenario),
+        ("stream.scenario", scenario(config), scenario(saved)),
         ("stream.options", config.stream.options, saved.stream.options),
         ("stream.validation", config.stream.validation, saved.stream.validation),
         ("methods", [m.name for m in config.methods], [m.name for m in saved.methods]),

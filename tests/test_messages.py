@@ -1,0 +1,70 @@
+"""Messages that said something misleading (issue 24, item 10): each case checks the corrected one-liner."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from continual_blr.cli import main
+
+TINY = ("stream: {name: synthetic, options: {n_tasks: 2, n_train: 40, n_features: 6}}\nmodel: {hidden: [8]}\n"
+        "train: {epochs: 1, batch_size: 20}\nprogress: false\nmethods: [none]\n")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("messages")
+    (root / "c.yaml").write_text(TINY)
+    assert main(["run", str(root / "c.yaml"), "--out", str(root / "run")]) == 0
+    return root
+
+
+def test_a_config_naming_the_default_scenario_matches_a_run_that_left_it_out(tiny_run):
+    """The embedded default leaves ``stream.scenario`` out (the stream's default); its YAML twin names it: the
+    same run, not a mismatch. Another scenario still is one."""
+    from continual_blr.config import RunConfig, from_dict, yaml_load
+    from continual_blr.data import DEFAULT_SCENARIOS
+    from continual_blr.saved_run import check_config_matches
+
+    data = yaml_load(TINY)
+    data["stream"]["scenario"] = DEFAULT_SCENARIOS["synthetic"]
+    check_config_matches(from_dict(RunConfig, data), tiny_run / "run")
+    data["stream"]["scenario"] = "class" if DEFAULT_SCENARIOS["synthetic"] != "class" else "task"
+    with pytest.raises(ValueError, match="stream.scenario"):
+        check_config_matches(from_dict(RunConfig, data), tiny_run / "run")
+
+
+def test_resume_of_a_copied_finished_run_names_the_copy(tiny_run, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_run / "run", copy)
+    capsys.readouterr()
+    assert main(["run", "--resume", str(copy), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert str(copy / "results.json") in out and str(tiny_run / "run") not in out, out
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--inputs", "OK"], "--head: the network has 2 heads (one per task); pass --head 0..1"),
+    (["--inputs", "/dev/null", "--head", "0"], "--inputs: /dev/null is not a regular file"),
+])
+def test_predict_names_the_cli_option(tiny_run, tmp_path, capsys, args, needle):
+    np.save(tmp_path / "ok.npy", np.zeros((2, 6), np.float32))
+    args = [str(tmp_path / "ok.npy") if a == "OK" else a for a in args]
+    assert main(["predict", str(tiny_run / "run"), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_inspect_offers_other_methods_only_when_there_are_some(tiny_run, tmp_path, capsys):
+    assert main(["inspect", str(tiny_run / "run"), "--out", str(tmp_path / "report"), "--no-progress",
+                 "--top", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "inspected none" in out and "--method" not in out, out
+    payload = json.loads((tiny_run / "run" / "results.json").read_text())
+    assert [m["name"] for m in payload["config"]["methods"]] == ["none"]
