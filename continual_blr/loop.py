@@ -280,7 +280,7 @@ def fit_task(
     optimizer = method.make_optimizer(model, task, train)
     tasks = method.train_tasks(task, seen)
     last = math.nan
-    bar = tqdm(range(train.epochs), desc=f"task {task.task_id}", leave=False, disable=not progress)
+    bar = tqdm(range(train.epochs), desc=f"task {task.task_id}", leave=False, disable=None if progress else True)
     for epoch in bar:
         total, n = 0.0, 0  # summed on the loss's device: no host synchronisation per step
         for t, batch in _batches(tasks, train.batch_size, generator):
@@ -377,7 +377,8 @@ def _run_stream(model, stream, method, train, *, seed, device, progress, config,
             torch.set_rng_state(resume.torch_rng_state)
         if resume.cuda_rng_state is not None and device.type == "cuda":
             torch.cuda.set_rng_state(resume.cuda_rng_state, device)
-    bar = tqdm(range(start, n), desc=f"{method.name} on {stream.name}", disable=not progress, initial=start, total=n)
+    bar = tqdm(range(start, n), desc=f"{method.name} on {stream.name}", disable=None if progress else True,
+               initial=start, total=n)  # disable=None: bars only on a terminal, not in a log
     for i in bar:
         task = tasks[i]
         t0 = time.perf_counter()

@@ -68,3 +68,27 @@ def test_inspect_offers_other_methods_only_when_there_are_some(tiny_run, tmp_pat
     assert "inspected none" in out and "--method" not in out, out
     payload = json.loads((tiny_run / "run" / "results.json").read_text())
     assert [m["name"] for m in payload["config"]["methods"]] == ["none"]
+
+
+def test_no_progress_bars_in_a_log_and_no_folders_left_by_a_failed_download(tmp_path):
+    """Issue 24, item 11. With stderr not a terminal (a log file, a pipe) a run writes no progress bars; a download
+    attempt that fails removes the folders it created (torchvision makes ``MNIST/raw`` before it tries)."""
+    import subprocess
+    import sys
+
+    from continual_blr.data.paths import no_litter
+
+    (tmp_path / "c.yaml").write_text(TINY.replace("progress: false\n", ""))  # bars asked for
+    r = subprocess.run([sys.executable, "-m", "continual_blr", "run", str(tmp_path / "c.yaml"), "--out",
+                        str(tmp_path / "run")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stderr == "", r.stderr[-500:]
+    root = tmp_path / "data"
+    (tmp_path / "keep").mkdir()
+    with pytest.raises(RuntimeError, match="no network"):
+        with no_litter(root / "MNIST" / "raw", tmp_path / "keep"):
+            (root / "MNIST" / "raw").mkdir(parents=True)
+            raise RuntimeError("no network")
+    assert not root.exists() and (tmp_path / "keep").is_dir()
+    with no_litter(root / "MNIST" / "raw"):  # a success keeps what it made
+        (root / "MNIST" / "raw").mkdir(parents=True)
+    assert (root / "MNIST" / "raw").is_dir()

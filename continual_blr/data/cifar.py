@@ -34,7 +34,7 @@ import torch
 from .arrays import ArraySplits, read_npz
 from .builders import check_scenario, split_tasks, subsample_generator
 from .digits import DIGIT_PAIRS
-from .paths import DataNotFoundError, resolve_data_dir
+from .paths import DataNotFoundError, no_litter, resolve_data_dir
 from .stream import TaskStream
 
 __all__ = ["load_cifar10", "load_cifar100", "split_cifar10", "split_cifar"]
@@ -90,7 +90,8 @@ def _load(kind: str, data_dir: str | os.PathLike[str] | None, path: str | os.Pat
         import torchvision.datasets  # imported here: torchvision is slow to import
 
         try:
-            getattr(torchvision.datasets, tv_class)(str(root), train=True, download=True)
+            with no_litter(root):  # a failed download leaves no empty folders behind
+                getattr(torchvision.datasets, tv_class)(str(root), train=True, download=True)
             has_layout = True
         except Exception as err:  # network errors surface as RuntimeError, URLError or OSError
             text = " ".join(str(err).split())

@@ -33,7 +33,7 @@ import torch
 from .arrays import ArraySplits
 from .builders import check_scenario, draw_permutations, permuted_tasks, split_tasks, subsample_generator
 from .digits import DIGIT_PAIRS
-from .paths import DataNotFoundError, resolve_data_dir
+from .paths import DataNotFoundError, no_litter, resolve_data_dir
 from .stream import TaskStream
 
 __all__ = ["MNIST_FILES", "load_mnist", "split_mnist", "permuted_mnist"]
@@ -104,7 +104,8 @@ def _readable_root(root: Path, download: bool) -> Iterator[Path]:
         from torchvision.datasets import MNIST
 
         try:
-            MNIST(str(root), train=True, download=True)
+            with no_litter(raw):  # a failed download leaves no empty MNIST/raw behind
+                MNIST(str(root), train=True, download=True)
         except Exception as err:  # network errors surface as RuntimeError, URLError or OSError
             raise _not_found(raw, f"download failed: {_one_line(err)}") from err
     yield root

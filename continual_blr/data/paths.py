@@ -12,10 +12,12 @@ Nothing here creates folders; only a download (when asked for) writes under the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
+from typing import Iterator
 
-__all__ = ["DATA_ENV_VAR", "DataNotFoundError", "default_data_dir", "resolve_data_dir"]
+__all__ = ["DATA_ENV_VAR", "DataNotFoundError", "default_data_dir", "resolve_data_dir", "no_litter"]
 
 DATA_ENV_VAR = "CONTINUAL_BLR_DATA"
 
@@ -54,3 +56,24 @@ def resolve_data_dir(data_dir: str | os.PathLike[str] | None = None) -> Path:
     if env:
         return Path(env).expanduser()
     return default_data_dir()
+
+
+@contextlib.contextmanager
+def no_litter(*folders: Path) -> Iterator[None]:
+    """Run a download attempt that may create ``folders`` (and their missing parents): if it fails, remove
+    those that did not exist before and are still empty, deepest first — torchvision makes ``<root>/MNIST/raw``
+    before it tries the network, and a failed look-up must leave nothing behind."""
+    candidates: list[Path] = []
+    for folder in folders:
+        p = Path(folder)
+        while not p.exists() and p != p.parent and p not in candidates:
+            candidates.append(p)
+            p = p.parent
+    try:
+        yield
+    except BaseException:
+        for d in sorted(candidates, key=lambda p: -len(p.parts)):
+            with contextlib.suppress(OSError):
+                if d.is_dir() and not any(d.iterdir()):
+                    d.rmdir()
+        raise

@@ -118,7 +118,8 @@ def inspect_run(
         raise ValueError(f"--top: must be >= 1, got {top}")
     chosen = [run.stream.tasks[i] for i in ids]
     dev = next(run.model.parameters()).device
-    bar = tqdm(total=len(chosen) + 1, desc=f"inspect {run.method_name}", unit="step", disable=not progress,
+    bar = tqdm(total=len(chosen) + 1, desc=f"inspect {run.method_name}", unit="step",
+               disable=None if progress else True,
                leave=False)
     try:
         bar.set_postfix_str("covariance")
@@ -249,7 +250,7 @@ def write_report(insp: Inspection, out: str | Path, *, progress: bool = False) -
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     labels = [insp.task_label(i) for i in range(len(insp.scores))]
-    bar = tqdm(total=4 + len(insp.scores), desc="report", unit="figure", disable=not progress, leave=False)
+    bar = tqdm(total=4 + len(insp.scores), desc="report", unit="figure", disable=None if progress else True, leave=False)
     try:
         csv_path = _csv(insp, out / "scores.csv")
         bar.update(1)
