@@ -378,6 +378,11 @@ def _run_sweep(cfg, seeds: list[int], args: argparse.Namespace) -> int:
     if args.ray is not None:
         from .sweep_ray import ray_executor
 
+        from .sweep_ray import ray_available
+
+        if not ray_available():
+            print("continual-blr: --ray: ray is not installed; the seeds run one after another here "
+                  "(pip install 'continual_blr[ray]')", file=sys.stderr)
         executor = ray_executor(None if args.ray == "local" else args.ray, num_cpus=args.threads or 1)
     try:
         results = run_seeds(cfg, seeds, out, executor=executor, tensorboard=args.tensorboard)

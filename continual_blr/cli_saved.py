@@ -103,6 +103,9 @@ def _cmd_predict(args: argparse.Namespace) -> int:
                      "(save one with numpy.save)")
     if x.dtype.kind not in "fiu" or x.ndim < 1 or x.shape[0] == 0:
         return _fail(f"--inputs: need a non-empty numeric array, got dtype {x.dtype} shape {x.shape}")
+    if x.ndim == 1:
+        return _fail(f"--inputs: {args.inputs} is a 1-D array of {x.shape[0]} values; allowed: [N, *input_shape] or "
+                     "[N, D] (one example: save x[None])")
     if x.dtype.kind == "f" and not np.isfinite(x).all():
         return _fail(f"--inputs: {args.inputs} holds {int((~np.isfinite(x)).sum())} NaN or infinite values; "
                      "allowed: finite numbers")
@@ -110,6 +113,10 @@ def _cmd_predict(args: argparse.Namespace) -> int:
         if args.out:
             check_writable(args.out, "--out", folder=False)
         run = load_run(args.run, args.method, device=args.device)
+        lo, hi = (run.stream.meta or {}).get("input_range") or (None, None)  # stored by runs since 2026-11-25
+        if hi is not None and hi <= 1.0 and float(x.max()) > 1.5:
+            return _fail(f"--inputs: values up to {float(x.max()):g}, but the run was trained on inputs in "
+                         f"[{lo:g}, {hi:g}] (pixels / 255?); scale them as the run's data were")
         if run.stream.likelihood == "classification":
             proba = run.predict_proba(x.astype(np.float32), head=args.head).cpu()
             pred = proba.argmax(dim=-1)

@@ -92,3 +92,45 @@ def test_no_progress_bars_in_a_log_and_no_folders_left_by_a_failed_download(tmp_
     with no_litter(root / "MNIST" / "raw"):  # a success keeps what it made
         (root / "MNIST" / "raw").mkdir(parents=True)
     assert (root / "MNIST" / "raw").is_dir()
+
+
+def test_silent_cases_now_speak(tiny_run, tmp_path, capsys):
+    """Issue 24, item 9, the choices: ``predict`` refuses a 1-D array (one example is ``x[None]``) and inputs far
+    outside the range the run was trained on when that range is [0, 1] (0–255 pixels); ``accuracy_matrix``
+    refuses metrics without per-experience accuracy instead of returning NaN; ``--ray`` without Ray says that
+    the seeds run one after another."""
+    from continual_blr.integrations.avalanche import accuracy_matrix
+    from continual_blr.run_folder import read_json
+
+    np.save(tmp_path / "one.npy", np.zeros(6, np.float32))
+    assert main(["predict", str(tiny_run / "run"), "--inputs", str(tmp_path / "one.npy"), "--head", "0"]) == 2
+    assert "1-D array" in capsys.readouterr().err
+    lo, hi = read_json(tiny_run / "run" / "results.json")["stream"]["input_range"]
+    assert lo < hi  # recorded with the run
+    with pytest.raises(ValueError, match="per-experience test accuracy"):
+        accuracy_matrix([{"Loss_Stream/eval_phase/test_stream": 0.3}])
+    assert accuracy_matrix([{"Top1_Acc_Exp/eval_phase/test_stream/Task000/Exp000": 0.9}]) == [[0.9]]
+
+
+def test_pixels_against_a_run_trained_on_unit_inputs(tmp_path, capsys):
+    torch.set_num_threads(1)
+    (tmp_path / "c.yaml").write_text("stream: {name: split_digits}\nmodel: {hidden: [8]}\n"
+                                     "train: {epochs: 1, batch_size: 64}\nprogress: false\nmethods: [none]\n")
+    assert main(["run", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "run")]) == 0
+    np.save(tmp_path / "px.npy", np.full((2, 64), 255, np.float32))
+    capsys.readouterr()
+    assert main(["predict", str(tmp_path / "run"), "--inputs", str(tmp_path / "px.npy"), "--head", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "values up to 255" in err and "[0, 1]" in err, err
+    np.save(tmp_path / "unit.npy", np.full((2, 64), 0.5, np.float32))
+    assert main(["predict", str(tmp_path / "run"), "--inputs", str(tmp_path / "unit.npy"), "--head", "0"]) == 0
+
+
+def test_ray_missing_is_said(tmp_path, capsys, monkeypatch):
+    import continual_blr.sweep_ray as sweep_ray
+
+    monkeypatch.setattr(sweep_ray, "ray_available", lambda: False)
+    (tmp_path / "c.yaml").write_text(TINY)
+    assert main(["run", str(tmp_path / "c.yaml"), "--seeds", "0", "--ray", "--out", str(tmp_path / "s")]) == 0
+    err = capsys.readouterr().err
+    assert "ray is not installed; the seeds run one after another" in err, err

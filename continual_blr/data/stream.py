@@ -104,9 +104,13 @@ class TaskStream:
 
     def describe(self) -> dict:
         """What a trained network needs to know of this stream, without its data (JSON-ready): name, scenario,
-        input shape, outputs per head, heads, likelihood, σ, and per task its id, classes, head, name and size.
+        input shape, the range of the training inputs, outputs per head, heads, likelihood, σ, and per task its
+        id, classes, head, name and size.
         A run stores it in ``results.json`` so that prediction needs no dataset (:meth:`skeleton`)."""
+        xs = [t.x_train for t in self.tasks if t.x_train.numel()]
+        rng = [min(float(x.min()) for x in xs), max(float(x.max()) for x in xs)] if xs else None
         return {"name": self.name, "scenario": self.scenario, "input_shape": list(self.input_shape),
+                "input_range": rng,
                 "n_outputs": self.n_outputs, "n_heads": self.n_heads, "likelihood": self.likelihood,
                 "sigma": self.sigma, "tasks": [{"task_id": t.task_id, "classes": list(t.classes), "head": t.head,
                                                 "name": t.name, "n_train": t.n_train} for t in self.tasks]}
@@ -125,5 +129,6 @@ class TaskStream:
                       empty_targets(), tuple(int(c) for c in t["classes"]), head=int(t.get("head", 0)),
                       name=str(t.get("name", ""))) for t in info["tasks"]]
         return cls(str(info["name"]), tasks, str(info["scenario"]), shape, int(info["n_outputs"]),
-                   int(info["n_heads"]), meta={"skeleton": True}, likelihood=info.get("likelihood", "classification"),
+                   int(info["n_heads"]), meta={"skeleton": True, "input_range": info.get("input_range")},
+                   likelihood=info.get("likelihood", "classification"),
                    sigma=float(info.get("sigma", 1.0)))

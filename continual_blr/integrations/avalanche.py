@@ -232,14 +232,23 @@ def accuracy_matrix(metrics_after_each_experience: list[dict[str, Any]],
 
     Needs ``accuracy_metrics(experience=True)`` in the ``EvaluationPlugin`` and evaluation on the test
     stream; the same matrix as ``StreamResult.acc_matrix``.
+
+    Raises:
+        ValueError: no per-experience test accuracy in any of the dictionaries (instead of a matrix of NaN).
     """
     n = n_experiences if n_experiences is not None else len(metrics_after_each_experience)
     acc = [[float("nan")] * n for _ in metrics_after_each_experience]
+    found = False
     for i, metrics in enumerate(metrics_after_each_experience):
         for name, value in metrics.items():
             m = _ACC.match(name)
             if m is not None and int(m.group(1)) <= i and int(m.group(1)) < n:
                 acc[i][int(m.group(1))] = float(value)
+                found = True
+    if metrics_after_each_experience and not found:
+        raise ValueError("accuracy_matrix: the metrics hold no per-experience test accuracy (Top1_Acc_Exp/eval_phase/"
+                         "test_stream/Task…/Exp…); add accuracy_metrics(experience=True) to the EvaluationPlugin and "
+                         "evaluate on the test stream")
     return acc
 
 
