@@ -3,7 +3,7 @@
 Registered on the main parser by :func:`add_saved_run_parsers` (see ``continual_blr.cli``). Both read a
 run folder through :mod:`continual_blr.saved_run`; bad input is one line on stderr and exit status 2.
 
-* ``inspect RUN_OR_CONFIG [--method M] [--task T] [--top K] [--out DIR] [--device D]``: the memorable
+* ``inspect RUN_OR_CONFIG [--method M] [--task T] [--top K] [--out DIR] [--device D] [--threads N]``: the memorable
   examples report (``docs/inspect.md``). Given a YAML config, the run is the config's ``out`` (or
   ``runs/latest`` when it names none) and must have been written by that config.
 * ``predict RUN --inputs FILE.npy [--method M] [--head H] [--out preds.csv] [--device D]``: the
@@ -19,7 +19,7 @@ import io
 import sys
 from pathlib import Path
 
-from .cli import _fail, _read_yaml
+from .cli import _fail, _read_yaml, _threads
 
 __all__ = ["add_saved_run_parsers"]
 
@@ -58,6 +58,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
     if args.top is not None and args.top < 1:
         return _fail("--top: must be a positive integer")
+    if args.threads is not None and args.threads < 1:
+        return _fail(f"--threads: got {args.threads}; allowed: an integer >= 1")
     path = Path(args.run)
     try:
         if path.is_file() and path.suffix in (".yaml", ".yml"):
@@ -65,8 +67,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         tasks = [args.task] if args.task is not None else None
         if args.out is not None:  # before minutes of scoring
             check_writable(args.out, "--out")
-        index, insp = inspect_path(path, out=args.out, method=args.method, tasks=tasks, top=args.top,
-                                   device=args.device, progress=not args.no_progress)
+        with _threads(args.threads):
+            index, insp = inspect_path(path, out=args.out, method=args.method, tasks=tasks, top=args.top,
+                                       device=args.device, progress=not args.no_progress)
     except FileNotFoundError as err:
         return _fail(_first_line(err))
     except _ERRORS as err:
@@ -159,6 +162,8 @@ def add_saved_run_parsers(sub) -> None:
     ins.add_argument("--out", help="report folder (default: RUN_DIR/inspect)")
     ins.add_argument("--device", default="cpu", help="where to score: cpu (default), cuda or cuda:N")
     ins.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ins.add_argument("--threads", type=int, metavar="N", help="torch threads (default: torch's; 1 is often faster on "
+                                                              "a shared machine)")
     ins.set_defaults(func=_cmd_inspect)
 
     pred = sub.add_parser("predict", help="predict on new inputs with a saved run's model and method")

@@ -365,3 +365,24 @@ def test_cli_inspect_shows_progress(fromp_run, tmp_path, capsys):
     assert "inspect fromp" in err and "report" in err  # the tqdm bars of the scores and of the figures
     rc = main(["inspect", str(fromp_run), "--task", "1", "--top", "4", "--out", str(tmp_path / "p"), "--no-progress"])
     assert rc == 0 and "inspect fromp" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ["mlp", "cnn"])
+def test_diagonal_prediction_covariance_equals_the_dense_route_float64(arch):
+    """V_i = J_i diag(s) J_iᵀ by the Linear-layer shortcut (no per-example Jacobian materialised; Conv2d and
+    BatchNorm layers one at a time) equals J_i Σ J_iᵀ with the same Σ given dense, float64, to 1e-10."""
+    torch.manual_seed(0)
+    if arch == "mlp":
+        model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+        x = torch.randn(9, 5, dtype=torch.float64)
+    else:
+        model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.ReLU(), nn.Flatten(),
+                              nn.Linear(2 * 4 * 4, 3)).double().eval()
+        model[1].running_mean.normal_()
+        model[1].running_var.uniform_(0.5, 2.0)
+        x = torch.randn(9, 1, 6, 6, dtype=torch.float64)
+    var = {n: torch.rand(p.shape, dtype=torch.float64) + 0.1 for n, p in model.named_parameters()}
+    fast = prediction_covariance(model, x, var)
+    dense = torch.diag(torch.cat([v.reshape(-1) for v in var.values()]))
+    slow = prediction_covariance(model, x, dense)
+    torch.testing.assert_close(fast, slow, rtol=1e-10, atol=1e-12)
