@@ -64,7 +64,9 @@ def ggn(model: nn.Module, x: Tensor, *, head=None, param_names=None, likelihood=
     """Σ_i J_iᵀ Λ_i J_i, dense [P, P]."""
     j = jacobians(model, x, head=head, param_names=param_names)
     lam = output_hessians(model, x, head=head, likelihood=likelihood, sigma=sigma)
-    return torch.einsum("nkp,nkl,nlq->pq", j, lam, j)
+    n, k, p = j.shape
+    lj = torch.einsum("nkl,nlq->nkq", lam, j)  # two steps: no [N, P, P] intermediate
+    return j.reshape(n * k, p).T @ lj.reshape(n * k, p)
 
 
 def per_example_losses(f: Tensor, y: Tensor, likelihood: str, sigma: float) -> Tensor:
