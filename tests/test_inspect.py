@@ -305,7 +305,7 @@ def test_cli_inspect_default_method_says_which_and_why(fromp_run, tmp_path, caps
     rc = main(["inspect", str(fromp_run), "--task", "0", "--top", "4", "--out", str(tmp_path / "o"), "--no-progress"])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "inspected fromp" in out and "--method: none, fromp" in out
+    assert "inspected fromp" in out and "choose another with --method: none" in out  # the other methods only
 
 
 def test_report_grids_are_shown_unscaled_and_fit_the_page(fromp_run, tmp_path):
@@ -358,7 +358,10 @@ def test_cli_inspect_bad_device_one_line(fromp_run, tmp_path, capsys):
 
 
 
-def test_cli_inspect_shows_progress(fromp_run, tmp_path, capsys):
+def test_cli_inspect_shows_progress(fromp_run, tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # bars are drawn on a terminal only
     rc = main(["inspect", str(fromp_run), "--task", "1", "--top", "4", "--out", str(tmp_path / "o")])
     assert rc == 0
     err = capsys.readouterr().err
