@@ -13,22 +13,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from continual_blr.cli import main
-
-TINY = ("stream: {name: synthetic, options: {n_tasks: 2, n_train: 40, n_features: 6}}\nmodel: {hidden: [8]}\n"
-        "train: {epochs: 1, batch_size: 20}\nprogress: false\nmethods: [none]\n")
+from tiny_runs import tiny_run
 
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("bad_files")
-    cfg = root / "c.yaml"
-    cfg.write_text(TINY)
-    assert main(["run", str(cfg), "--out", str(root / "run")]) == 0
-    return root / "run"
+    return tiny_run(tmp_path_factory.mktemp("bad_files")) / "run"
 
 
 def _unfinished(run: Path, checkpoint: bytes | None) -> None:

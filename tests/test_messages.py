@@ -11,18 +11,15 @@ import pytest
 import torch
 
 from continual_blr.cli import main
+from tiny_runs import TINY as TINY_BASE
+from tiny_runs import tiny_run as make_tiny_run
 
-TINY = ("stream: {name: synthetic, options: {n_tasks: 2, n_train: 40, n_features: 6}}\nmodel: {hidden: [8]}\n"
-        "train: {epochs: 1, batch_size: 20}\nprogress: false\nmethods: [none]\n")
+TINY = TINY_BASE + "methods: [none]\n"
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("messages")
-    (root / "c.yaml").write_text(TINY)
-    assert main(["run", str(root / "c.yaml"), "--out", str(root / "run")]) == 0
-    return root
+    return make_tiny_run(tmp_path_factory.mktemp("messages"))
 
 
 def test_a_config_naming_the_default_scenario_matches_a_run_that_left_it_out(tiny_run):

@@ -14,11 +14,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from tiny_runs import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "my_methods.py"
-TINY = ("stream: {name: synthetic, options: {n_tasks: 2, n_train: 40, n_features: 6}}\nmodel: {hidden: [8]}\n"
-        "train: {epochs: 1, batch_size: 20}\nprogress: false\n")
 
 
 def _cli(*args: str, cwd: Path, env_path: Path | None = None) -> subprocess.CompletedProcess:
