@@ -32,8 +32,7 @@ ROWS = {
     "blr (price)": ("blr", {"curvature": "price", "init_hess": 0.01, "rho": 0.002}),
     "ivon": ("ivon", {}),
 }
-COMMON = {"blr": {"temperature": 1.0, "ess_factor": 1.0, "clip_radius": None, "prior_precision": 100.0},
-          "ivon": {"temperature": 1.0, "ess_factor": 1.0, "clip_radius": None, "prior_precision": 100.0}}
+COMMON = {"temperature": 1.0, "ess_factor": 1.0, "clip_radius": None, "prior_precision": 100.0}  # both methods
 
 
 def oracle(task, delta: float, sigma: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +46,7 @@ def oracle(task, delta: float, sigma: float) -> tuple[torch.Tensor, torch.Tensor
 
 def check(row: str, seed: int, epochs: int, batch: int, n_train: int, overrides: dict | None = None) -> dict[str, float]:
     name, params = ROWS[row]
-    params = {**COMMON[name], **params, **(overrides or {})}
+    params = {**COMMON, **params, **(overrides or {})}
     stream = linear_regression_stream(n_tasks=2, n_features=4, n_train=n_train, n_test=50, scenario="task", seed=seed)
     first = dataclasses.replace(stream, tasks=stream.tasks[:1])  # train task 1; head 2 sees no data
     model = build_model("linear", stream.input_shape, stream.n_outputs, stream.n_heads,

@@ -200,7 +200,7 @@ def _build_config(args: argparse.Namespace):
 
     data = _read_yaml(args.config) if args.config else {}
     base = Path(args.config).resolve().parent if args.config else Path.cwd()
-    imports = data.get("imports", []) if isinstance(data.get("imports", []), list) else data.get("imports")
+    imports = data.get("imports") or []
     if not isinstance(imports, list):
         return f"imports: got {imports!r}; allowed: a list of module names or .py paths"
     data = dict(data, imports=[_import_path(m, base) for m in imports + list(args.imports or [])])

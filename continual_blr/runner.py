@@ -367,8 +367,6 @@ def run_config(cfg: RunConfig, save: bool = True, *, overwrite: bool = False, re
 
 def load_results(path: str | Path) -> list[StreamResult]:
     """Reload the StreamResults of a ``results.json`` (or of the folder holding it)."""
-    import json
-
     p = Path(path)
     if p.is_dir():
         p = p / "results.json"

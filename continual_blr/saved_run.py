@@ -125,10 +125,6 @@ class LoadedRun(SavedRun):
         return self.predict_proba(x, head).argmax(dim=-1)
 
 
-def _torch_load(path: Path, device: str) -> Any:
-    return load_torch(path, map_location=device)
-
-
 def _run_folder(path: str | Path) -> tuple[Path, str | None]:
     """``(run folder, method named by a <method>/ subfolder or None)``; follows a ``latest`` pointer file."""
     p = Path(path)
@@ -219,14 +215,14 @@ def load_run(path: str | Path, method: str | None = None, *, device: str = "cpu"
     stream = build_stream(config) if data or "stream" not in payload else TaskStream.skeleton(payload["stream"])
     model = build_model(config.model.arch, stream.input_shape, stream.n_outputs, stream.n_heads,
                         hidden=tuple(config.model.hidden)).to(dev)
-    load_weights(model, _torch_load(mdir / "model.pt", dev), str(mdir / "model.pt"))
+    load_weights(model, load_torch(mdir / "model.pt", map_location=dev), str(mdir / "model.pt"))
     model.eval()
     result = results.get(name, {})
     train_dict = (result.get("config") or {}).get("train_used") or (dataclasses.asdict(config.train) | dict(mc.train))
     train = from_dict(TrainConfig, train_dict, path="train")
     meth = build_method(name, mc.params, seed=config.seed)
     meth.setup(model, stream, train)
-    meth.load_state_dict(_torch_load(mdir / "method.pt", dev))
+    meth.load_state_dict(load_torch(mdir / "method.pt", map_location=dev))
     return LoadedRun(path=folder, method_name=name, stream=stream, model=model, method=meth, result=result,
                      methods=names, seed=config.seed, config=config, payload=payload, device=dev)
 

@@ -109,13 +109,9 @@ def _names(sigma: Covariance, model: nn.Module) -> list[str]:
 
 
 def _covariance_apply(sigma: Covariance, like: ParamDict, ref: Tensor):
-    """rows [R, P] (``types.flatten`` order of ``like``) ↦ Σ rows, for every supported form of Σ."""
+    """rows [R, P] (``types.flatten`` order of ``like``) ↦ Σ rows, for the non-diagonal forms of Σ (a diagonal
+    Σ takes :func:`_diag_prediction_covariance`)."""
     cast = dict(device=ref.device, dtype=ref.dtype)
-    if isinstance(sigma, DiagPosterior):
-        sigma = sigma.covariance_diag()
-    if isinstance(sigma, dict):
-        s = flatten({n: sigma[n].to(**cast) for n in like})
-        return lambda r: r * s
     if isinstance(sigma, FullPosterior):
         post = sigma.to(**cast)
         return lambda r: torch.cholesky_solve(r.T, post.chol).T

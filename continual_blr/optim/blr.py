@@ -113,17 +113,17 @@ the ranks still apply the same reduced update, so their posteriors stay identica
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 from torch import Tensor, nn
 
-from ..posteriors import DiagPosterior, GaussianPosterior, KronPosterior
+from ..posteriors import DiagPosterior, GaussianPosterior
 from ..types import DivergenceError, ParamDict, Structure
 from .closures import BatchClosure
 from .diag_state import diag_update
 from .diag_step import DiagStepMixin
-from .estimators import CURVATURES, ENGINE_CURVATURES, engine_estimates, per_example_estimates
+from .estimators import CURVATURES, ENGINE_CURVATURES, Closure, engine_estimates, per_example_estimates
 from .parallel import DataParallelStep
 from .precision import (add_curv, assemble_posterior, blr_data_update, blr_mean_update, data_like, data_part,
                         first_bad, scale_curv)
@@ -131,7 +131,6 @@ from .precision import (add_curv, assemble_posterior, blr_data_update, blr_mean_
 __all__ = ["BayesianLearningRule", "BatchClosure", "VON", "VOGN", "blr_data_update", "blr_mean_update",
            "diag_update", "assemble_posterior", "data_part", "CURVATURES", "ENGINE_CURVATURES"]
 
-Closure = Callable[[ParamDict], "Tensor | tuple[Tensor, Tensor]"]
 
 
 def _check_settings(prior: GaussianPosterior, n_data: int, lr: float, rho: float, beta1: float, mc_samples: int,
@@ -365,12 +364,11 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
 
     def _sampler(self, mean: ParamDict) -> GaussianPosterior:
         """The Gaussian weight samples are drawn from: the step's N(m, (S₀ + D)⁻¹), in every structure exactly
-        (Kronecker blocks with several terms by perturb-and-solve, :meth:`KronPosterior.sample_noise`)."""
+        (Kronecker blocks with several terms by perturb-and-solve, :meth:`~continual_blr.posteriors.KronPosterior.sample_noise`)."""
         return assemble_posterior(mean, self.prior, self._data)
 
     # ----- the step ----------------------------------------------------------------------------
-    def _estimates(self, closure: Closure, theta: ParamDict, noise: ParamDict | None,
-                   s_sample: ParamDict | None) -> tuple[Tensor, ParamDict, object]:
+    def _estimates(self, closure: Closure, theta: ParamDict) -> tuple[Tensor, ParamDict, object]:
         """(mean loss, ĝ, ĥ) at θ, scaled to the data set (N/B Σ_i): :mod:`continual_blr.optim.estimators`."""
         if self.curvature in ENGINE_CURVATURES:
             return engine_estimates(closure, theta, self.names, self.n_data, self._parallel, self.curvature,
@@ -427,7 +425,7 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
                 else:
                     noise = sampler.sample_noise(self._parallel.sample_generator(self.generator))  # type: ignore[union-attr]
                     theta = {k: mean[k] + noise[k] for k in self.names}
-                loss, g, h = self._estimates(closure, theta, noise, None)
+                loss, g, h = self._estimates(closure, theta)
                 loss = self._parallel.reduce(loss, g, h)
                 loss_sum = loss_sum + loss
                 g_sum = g if g_sum is None else {k: g_sum[k] + g[k] for k in g}

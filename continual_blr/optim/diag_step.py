@@ -89,7 +89,7 @@ class DiagStepMixin:
                     # one sample in one process: ĥ is formed inside the update (diag_update's h_from_sample)
                     h = g_data if n_mc == 1 and not self._parallel.active else torch.mul(g_data, eps).div_(r)  # type: ignore[arg-type]
                 elif fresh:
-                    loss, g_d, h_d = self._estimates(closure, theta_d, None, None)
+                    loss, g_d, h_d = self._estimates(closure, theta_d)
                     g, h = flat.cat(g_d), flat.cat(h_d)  # type: ignore[arg-type]
                 else:  # a step without a curvature estimate (curvature_every): the gradient only
                     losses, _, g_d, pen = gradients(closure, theta_d, self.names, self.n_data, self._parallel)
