@@ -112,7 +112,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 _RESUME_KEEPS = ("device", "data_dir", "threads", "no_progress", "tensorboard")
 _RESUME_REFUSES = {"config": "CONFIG", "method": "--method", "seed": "--seed", "seeds": "--seeds", "out": "--out",
                    "epochs": "--epochs", "validation": "--validation", "quick": "--quick", "overwrite": "--overwrite",
-                   "imports": "--import"}
+                   "imports": "--import", "precision": "--precision", "channels_last": "--channels-last"}
 
 
 def _import_path(name: object, base: Path) -> object:
@@ -228,6 +228,20 @@ def _build_config(args: argparse.Namespace):
         cfg.train.epochs = args.epochs
     if args.quick:
         cfg.quick = True
+    if args.precision is not None or args.channels_last is not None:
+        from .mixed_precision import check_precision
+
+        if args.precision is not None:
+            try:
+                cfg.train.precision = check_precision(args.precision, "--precision")
+            except ValueError as err:
+                return str(err)
+        if args.channels_last is not None:
+            cfg.train.channels_last = args.channels_last
+        for m in cfg.methods:  # the flags apply to every method, also one with train: overrides of its own
+            for key in ("precision", "channels_last"):
+                if getattr(args, key) is not None:
+                    m.train.pop(key, None)
     return cfg
 
 
@@ -278,7 +292,8 @@ def _check_flags(args: argparse.Namespace) -> str | None:
         if why is not None:
             return f"--tensorboard: torch.utils.tensorboard does not import ({why}); pip install tensorboard"
     if args.resume is not None:
-        given = [flag for key, flag in _RESUME_REFUSES.items() if getattr(args, key)]
+        given = [flag for key, flag in _RESUME_REFUSES.items()
+                 if getattr(args, key) or (key == "channels_last" and args.channels_last is not None)]
         if given:
             return (f"--resume: continues the run as it was configured; drop {given[0]} (allowed with --resume: "
                     "--device, --data-dir, --threads, --no-progress, --tensorboard)")
@@ -448,6 +463,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="evaluate on this held-out fraction of each task's training data instead of the test set "
                           "(stream.validation; for choosing hyper-parameters)")
     run.add_argument("--quick", action="store_true", help="fewer epochs (epochs / 5) for smoke runs; labelled in outputs")
+    run.add_argument("--precision", metavar="{fp32,bf16}",
+                     help="override train.precision: bf16 runs the training forward and loss under bf16 autocast; "
+                          "weights, gradients, curvature and posteriors stay fp32 (docs/runs.md)")
+    run.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                     help="override train.channels_last: convolution weights and image inputs in channels_last "
+                          "memory format (default: on with bf16)")
     run.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
                      help="with --seeds: each seed as a Ray task (a local Ray, or the cluster at ADDRESS, e.g. auto "
                           "or ray://host:10001); without Ray installed the seeds run one after another")

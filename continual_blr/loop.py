@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from . import distributed
 from .data.stream import Task, TaskStream
 from .methods.base import Method, TrainConfig, register_fit_task
+from .mixed_precision import autocast_dtype, match_input_format, to_channels_last, training_autocast
 from .optim.blr import BatchClosure, BayesianLearningRule
 from .types import Batch, DivergenceError
 
@@ -178,14 +179,16 @@ def _batches(tasks: list[Task], batch_size: int, generator: torch.Generator):
         yield t, Batch(t.x_train[idx], t.y_train[idx], t.head)
 
 
-def _blr_closure(model: nn.Module, method: Method, batch: Batch, task: Task, shard: bool = True) -> BatchClosure:
+def _blr_closure(model: nn.Module, method: Method, batch: Batch, task: Task, shard: bool = True,
+                 precision: str = "fp32") -> BatchClosure:
     """closure(params) -> (per-example losses, penalty) for a BLR optimiser (see optim.blr), with the
     method's likelihood (the curvature engine gets it from the closure). With ``shard`` the closure
-    holds the global batch and evaluates this rank's part of it (``BatchClosure``'s data parallelism)."""
+    holds the global batch and evaluates this rank's part of it (``BatchClosure``'s data parallelism).
+    ``precision`` ``"bf16"``: the closure's forward runs under autocast (its penalty does not)."""
     reg = method.regularizer
     penalty = None if reg is None else (lambda params: reg.penalty(model, batch, task, params))
     return BatchClosure(model, batch.x, batch.y, batch.head, penalty, likelihood=method.likelihood,
-                        sigma=method.sigma, data_parallel=shard)
+                        sigma=method.sigma, data_parallel=shard, autocast_dtype=autocast_dtype(precision))
 
 
 def train_step(
@@ -217,29 +220,38 @@ def train_step(
     ``shard=False`` (Avalanche's ``DistributedHelper``: each rank already holds its own batch) the
     ranks' gradients are averaged with weights b_r / Σ b_r. The BLR optimisers reduce ĝ and ĥ
     themselves (``optim.blr``).
+
+    ``train.precision`` ``"bf16"`` (:mod:`continual_blr.mixed_precision`): the forward and loss
+    (``method.loss``; for a BLR optimiser the closure's forward) run under ``torch.autocast(bfloat16)``;
+    the backward, the gradient clip, the optimiser step, penalties' kernels / posteriors and the BLR's
+    curvature stay fp32. A 4-D input is converted to the model's memory format (channels_last when the
+    model's convolution weights are, see ``train.channels_last``).
     """
+    batch = batch._replace(x=match_input_format(batch.x, model))
     if isinstance(optimizer, BayesianLearningRule):
         # Per-example gradients under torch.func: deterministic layers (dropout off).
         model.eval()
         try:
-            return optimizer.step(_blr_closure(model, method, batch, task, shard))
+            return optimizer.step(_blr_closure(model, method, batch, task, shard, train.precision))
         finally:
             model.train()
     optimizer.zero_grad(set_to_none=True)
     if not distributed.is_distributed():
-        loss = method.loss(model, batch, task)
+        with training_autocast(train.precision, batch.x.device):
+            loss = method.loss(model, batch, task)
         loss.backward()
     else:
-        loss = _data_parallel_backward(model, method, batch, task, shard)
+        loss = _data_parallel_backward(model, method, batch, task, shard, train.precision)
     if train.grad_clip is not None:
         nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
     optimizer.step()
     return loss
 
 
-def _data_parallel_backward(model: nn.Module, method: Method, batch: Batch, task: Task, shard: bool) -> Tensor:
+def _data_parallel_backward(model: nn.Module, method: Method, batch: Batch, task: Task, shard: bool,
+                            precision: str = "fp32") -> Tensor:
     """Backward pass of this rank's part, gradients all-reduced with weights b_r / B (see :func:`train_step`);
-    returns the global mean loss (detached)."""
+    returns the global mean loss (detached). The forward runs under ``precision``'s autocast."""
     if shard:
         s, e = distributed.shard_bounds(batch.y.shape[0])
         local, total = Batch(batch.x[s:e], batch.y[s:e], batch.head), batch.y.shape[0]
@@ -250,7 +262,8 @@ def _data_parallel_backward(model: nn.Module, method: Method, batch: Batch, task
     weight = b / max(total, 1)
     if b == 0:  # no examples here: the same graph on one example, times 0 (same grads that are None)
         local, weight = Batch(batch.x[:1], batch.y[:1], batch.head), 0.0
-    loss = method.loss(model, local, task)
+    with training_autocast(precision, local.x.device):
+        loss = method.loss(model, local, task)
     (weight * loss).backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     value = loss.detach().reshape(1).to(grads[0].dtype if grads else loss.dtype) * weight
@@ -356,6 +369,8 @@ def _run_stream(model, stream, method, train, *, seed, device, progress, config,
     """The body of :func:`run_stream`, run inside its forked global RNG state."""
     model.to(device)
     distributed.broadcast_module(model)  # under torchrun every rank starts from rank 0's weights
+    if train.use_channels_last:  # before the optimisers and priors are made; the step converts the inputs
+        to_channels_last(model)
     model.train()
     tasks = [t.to(device) for t in stream.tasks]
     generator = torch.Generator().manual_seed(seed)

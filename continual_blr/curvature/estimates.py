@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from .. import distributed
+from ..mixed_precision import full_precision
 from ..types import Curvature, KronBlock, KronCurvature, ParamDict, Structure, flatten, parse_enum, unflatten
 from . import likelihoods as lk
 from ._engine import (
@@ -62,6 +63,7 @@ from .jacobians import pass_rows, passes, select
 __all__ = ["curvature", "diag_curvature", "kron_curvature", "full_curvature", "curvature_tensors"]
 
 
+@full_precision
 def curvature(
     model: nn.Module,
     x: Tensor | Iterable,
@@ -81,6 +83,9 @@ def curvature(
     reduce: bool = True,
 ) -> ParamDict | Tensor | KronCurvature:
     """A curvature of the summed loss Σ_b ℓ(f_θ(x_b), y_b) over a data set (see the module docstring).
+
+    Precision: computed in the model's dtype (fp32 / fp64) also inside an active ``torch.autocast`` (bf16 training):
+    autocast is off for the call and bf16 / fp16 arguments are cast to fp32 (:func:`~continual_blr.mixed_precision.full_precision`).
 
     Args:
         model: network with outputs [B, K] (logits for classification, means for regression).

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import jacrev, vmap
 
+from ..mixed_precision import full_precision
 from ..types import ParamDict, params_of
 from ._engine import (
     Pass,
@@ -161,6 +162,7 @@ def _stack(chunks: list[ParamDict]) -> ParamDict:
     return {k: torch.cat([c[k] for c in chunks]) for k in chunks[0]}
 
 
+@full_precision
 def per_example_jacobians(
     model: nn.Module,
     x: Tensor,
@@ -171,6 +173,9 @@ def per_example_jacobians(
     output_fn: Callable[[Tensor], Tensor] | None = None,
 ) -> ParamDict:
     """Per-example Jacobians of the outputs with respect to the parameters.
+
+    Precision: computed in the model's dtype (fp32 / fp64) also inside an active ``torch.autocast`` (bf16 training):
+    autocast is off for the call and bf16 / fp16 arguments are cast to fp32 (:func:`~continual_blr.mixed_precision.full_precision`).
 
     .. math:: J[\\theta]_{b,k} = \\partial o_k(x_b) / \\partial \\theta,
               \\quad o = \\text{output\\_fn}(f_\\theta(x, \\text{head}))  (o = f without output_fn)
@@ -203,6 +208,7 @@ def per_example_jacobians(
     return _stack(chunks)
 
 
+@full_precision
 def per_example_grads(
     model: nn.Module,
     loss_fn: Callable[[Tensor, Tensor], Tensor],
@@ -214,6 +220,9 @@ def per_example_grads(
     chunk_size: int | None = None,
 ) -> tuple[Tensor, ParamDict]:
     """Per-example losses and gradients g_b = ∇_θ ℓ(f_θ(x_b), y_b) (not a minibatch mean).
+
+    Precision: computed in the model's dtype (fp32 / fp64) also inside an active ``torch.autocast`` (bf16 training):
+    autocast is off for the call and bf16 / fp16 arguments are cast to fp32 (:func:`~continual_blr.mixed_precision.full_precision`).
 
     ``loss_fn(logits, y)`` must return per-example losses [B] (``reduction='none'``) and treat examples
     independently. Computed as J_bᵀ ∇_f ℓ_b: one forward, ∇_f ℓ by ``torch.func.grad`` of Σ_b ℓ_b

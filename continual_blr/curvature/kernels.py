@@ -42,6 +42,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jvp, vjp, vmap
 
+from ..mixed_precision import full_precision
 from ..types import KronCurvature, ParamDict, flatten, params_of, unflatten
 from ._engine import eval_mode, find_layers, model_device_dtype, model_kwargs
 from .jacobians import output_jacobian_cotangents, passes
@@ -306,6 +307,7 @@ def _n_outputs(model: nn.Module, x: Tensor, kw: dict, output_fn) -> int:
     return f.shape[1]
 
 
+@full_precision
 def kernel(
     model: nn.Module,
     x: Tensor,
@@ -319,6 +321,9 @@ def kernel(
     method: str = "structured",
 ) -> Tensor:
     """The DNN2GP kernel K = J Σ Jᵀ of ``output_fn ∘ f`` at M points (see the module docstring).
+
+    Precision: computed in the model's dtype (fp32 / fp64) also inside an active ``torch.autocast`` (bf16 training):
+    autocast is off for the call and bf16 / fp16 arguments are cast to fp32 (:func:`~continual_blr.mixed_precision.full_precision`).
 
     Args:
         model: network with outputs [B, K]; runs in eval mode (flags restored afterwards).
@@ -418,6 +423,7 @@ def _kernel_jvp(model, x, spec, kw, output_fn, blockwise, chunk_size) -> Tensor:
     return full.reshape(m * k, m * k)
 
 
+@full_precision
 def kernel_vector_product(
     model: nn.Module,
     x: Tensor,
@@ -430,6 +436,9 @@ def kernel_vector_product(
     param_names: list[str] | None = None,
 ) -> Tensor:
     """K v for the kernel of :func:`kernel` and v of shape [M, K], as jvp(Σ ⊙ vjp(v)).
+
+    Precision: computed in the model's dtype (fp32 / fp64) also inside an active ``torch.autocast`` (bf16 training):
+    autocast is off for the call and bf16 / fp16 arguments are cast to fp32 (:func:`~continual_blr.mixed_precision.full_precision`).
 
     full (``blockwise=False``): (K v)[m, c] = Σ_{n,d} J_{m,c} Σ J_{n,d}ᵀ v[n, d]  — one vjp, one jvp;
     blockwise: (K v)[m, c] = Σ_n K_c[m, n] v[n, c] — the same, vmapped over the K classes with v

@@ -64,7 +64,13 @@ def _targets(f: Tensor, y: Tensor | None, likelihood: str) -> Tensor:
 
 
 def nll(f: Tensor, y: Tensor, likelihood: str, sigma: float = 1.0) -> Tensor:
-    """Per-example loss ℓ(f_b, y_b), shape [B] (cross-entropy, or ‖f − y‖²/(2σ²) without the constant)."""
+    """Per-example loss ℓ(f_b, y_b), shape [B] (cross-entropy, or ‖f − y‖²/(2σ²) without the constant).
+
+    Precision: bf16 / fp16 outputs (a forward under ``torch.autocast``) are cast to fp32 first, so the loss
+    is an fp32 (or fp64) number whatever the forward ran in.
+    """
+    if f.dtype in (torch.bfloat16, torch.float16):
+        f = f.float()
     y = _targets(f, y, likelihood)
     if likelihood == "classification":
         return torch.nn.functional.cross_entropy(f, y, reduction="none")

@@ -39,6 +39,7 @@ from torch.nn import functional as F
 
 from ..curvature import likelihoods as lk
 from ..data.stream import Task, TaskStream
+from ..mixed_precision import channels_last_on, check_precision
 from ..regularizers.base import Regularizer
 from ..types import Batch
 
@@ -59,6 +60,11 @@ class TrainConfig:
         optimizer: ``"adam"`` or ``"sgd"``.
         grad_clip: clip the gradient norm to this value (None: off).
         eval_batch_size: minibatch size for evaluation.
+        precision: ``"fp32"`` or ``"bf16"``: bf16 runs the training step's forward and loss under
+            ``torch.autocast(bfloat16)`` (weights, gradients, optimiser state, curvature, posteriors and
+            evaluation stay fp32; :mod:`continual_blr.mixed_precision`).
+        channels_last: store convolution weights and 4-D inputs in ``torch.channels_last`` format; None (the
+            default): on exactly when ``precision`` is ``"bf16"``.
     """
 
     epochs: int = 10
@@ -67,6 +73,8 @@ class TrainConfig:
     optimizer: str = "adam"
     grad_clip: float | None = None
     eval_batch_size: int = 1024
+    precision: str = "fp32"
+    channels_last: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "eval_batch_size"):
@@ -78,6 +86,14 @@ class TrainConfig:
             raise ValueError(f"train.optimizer: got {self.optimizer!r}; allowed: {', '.join(map(repr, OPTIMIZERS))}")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"train.grad_clip: must be > 0 or null, got {self.grad_clip}")
+        check_precision(self.precision, "train.precision")
+        if self.channels_last not in (None, True, False):
+            raise ValueError(f"train.channels_last: got {self.channels_last!r}; allowed: true, false, null")
+
+    @property
+    def use_channels_last(self) -> bool:
+        """Whether convolution weights and 4-D inputs use ``torch.channels_last`` (``channels_last``, or bf16)."""
+        return channels_last_on(self.precision, self.channels_last)
 
 
 def make_torch_optimizer(params, train: TrainConfig) -> torch.optim.Optimizer:

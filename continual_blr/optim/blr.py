@@ -118,6 +118,7 @@ from typing import Iterator
 import torch
 from torch import Tensor, nn
 
+from ..mixed_precision import full_precision
 from ..posteriors import DiagPosterior, GaussianPosterior
 from ..types import DivergenceError, ParamDict, Structure
 from .closures import BatchClosure
@@ -402,8 +403,14 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
                     p.copy_(saved[k])
 
     @torch.no_grad()
+    @full_precision
     def step(self, closure: Closure) -> Tensor:  # type: ignore[override]
-        """One BLR step. Returns the mean minibatch loss (averaged over MC samples)."""
+        """One BLR step. Returns the mean minibatch loss (averaged over MC samples).
+
+        Precision: the step's algebra (weight samples, ĝ, ĥ, the precision and mean updates) is fp32 even inside
+        an active ``torch.autocast``; only a :class:`BatchClosure` built with ``autocast_dtype`` runs its
+        forward in bf16 (see :mod:`continual_blr.optim.estimators`).
+        """
         if closure is None:
             raise ValueError("closure: the BLR needs a closure(params) -> per-example losses")
         self._parallel.begin(closure)

@@ -10,12 +10,19 @@ Data parallel (``continual_blr.distributed``): a closure built with ``data_paral
 *global* minibatch (the same on every rank) evaluates only this rank's contiguous part of it
 (``x``, ``y``); ``x_global`` / ``y_global``, ``batch_size`` (B) and ``start`` describe the whole, and the
 BLR optimiser all-reduces ĝ and ĥ with the weights that make them one process's.
+
+Mixed precision (``train.precision: bf16``, :mod:`continual_blr.mixed_precision`): a closure built with
+``autocast_dtype=torch.bfloat16`` runs the network's forward under ``torch.autocast`` and casts the outputs
+to fp32 before the loss; the penalty, the gradients (with respect to the fp32 parameters) and everything
+the optimiser does with them stay fp32.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
+import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
@@ -46,6 +53,8 @@ class BatchClosure:
         sigma: the Gaussian noise standard deviation (regression).
         data_parallel: in a multi-process run, ``x`` and ``y`` are the global batch and the closure
             evaluates this rank's part (``self.x``, ``self.y``); without a process group it changes nothing.
+        autocast_dtype: run the forward under ``torch.autocast`` with this dtype (``torch.bfloat16``);
+            None: in the parameters' dtype (fp32). The outputs are cast to fp32 before the loss.
 
     Attributes:
         x, y: the examples this closure evaluates (this rank's part).
@@ -53,11 +62,12 @@ class BatchClosure:
         batch_size: B, the number of examples in the whole minibatch.
         start: the index of ``x[0]`` in the whole minibatch.
         sharded: True when ``x`` is a rank's part of a larger batch whose ĝ, ĥ must be all-reduced.
+        autocast_dtype: the forward's autocast dtype (None: no autocast).
     """
 
     def __init__(self, model: nn.Module, x: Tensor, y: Tensor, head: int = 0,
                  penalty: Callable[[ParamDict], Tensor] | None = None, likelihood: str = "classification",
-                 sigma: float = 1.0, data_parallel: bool = False) -> None:
+                 sigma: float = 1.0, data_parallel: bool = False, autocast_dtype: torch.dtype | None = None) -> None:
         lk.check_likelihood(likelihood, sigma)
         self.model, self.head, self.penalty = model, int(head), penalty
         self.x_global, self.y_global, self.batch_size = x, y, int(x.shape[0])
@@ -65,8 +75,22 @@ class BatchClosure:
         self.start, stop = distributed.shard_bounds(self.batch_size) if self.sharded else (0, self.batch_size)
         self.x, self.y = x[self.start:stop], y[self.start:stop]
         self.likelihood, self.sigma = likelihood, float(sigma)
+        self.autocast_dtype = autocast_dtype
+
+    def in_full_precision(self) -> "BatchClosure":
+        """A copy of this closure whose forward runs in the parameters' dtype (no autocast); ``self`` if it has none."""
+        if self.autocast_dtype is None:
+            return self
+        other = copy.copy(self)
+        other.autocast_dtype = None
+        return other
 
     def __call__(self, params: ParamDict) -> "Tensor | tuple[Tensor, Tensor]":
-        f = functional_call(self.model, params, (self.x,), {"head": self.head})
+        if self.autocast_dtype is None:
+            f = functional_call(self.model, params, (self.x,), {"head": self.head})
+        else:
+            with torch.autocast(device_type=self.x.device.type, dtype=self.autocast_dtype):
+                f = functional_call(self.model, params, (self.x,), {"head": self.head})
+            f = f.float()
         losses = lk.nll(f, self.y, self.likelihood, self.sigma)
         return losses if self.penalty is None else (losses, self.penalty(params))

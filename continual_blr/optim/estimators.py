@@ -11,6 +11,13 @@ Every estimate is a sum over the minibatch scaled to the data set, ĝ = (N/B) Σ
   on a :class:`~continual_blr.optim.closures.BatchClosure`'s minibatch.
 
 The data-parallel scales N/B and b_r/B come from a :class:`~continual_blr.optim.parallel.DataParallelStep`.
+
+Precision (``train.precision: bf16``): the closure's forward may run under autocast (a
+:class:`~continual_blr.optim.closures.BatchClosure` with ``autocast_dtype``); then ĝ, the per-example
+gradients of ``"gauss_newton"`` and the Price estimate's ĝ_data come from that bf16 forward (as fp32
+gradients of the fp32 weights; their squares, outer products and sums are fp32). The engine's ĥ
+(``"empirical_fisher"``, ``"ggn"``, ``"mc_fisher"``) is computed by the curvature engine in fp32, and
+``"hessian"`` evaluates the closure without autocast (second derivatives through bf16 would be noise).
 """
 
 from __future__ import annotations
@@ -64,7 +71,9 @@ def per_example_estimates(closure: Closure, theta: ParamDict, names: list[str], 
                           curvature: str, prior: GaussianPosterior, kron_iters: int = 3) -> tuple[Tensor, ParamDict, object]:
     """(mean loss, ĝ, ĥ) at θ from ``jacrev`` per-example gradients: ``"gauss_newton"`` (Σ_i g_i g_iᵀ in the
     prior's structure; Kronecker: :func:`kron_from_per_example_grads` per layer) or ``"hessian"``
-    (``torch.func.hessian`` of Σ_i ℓ_i; diag or full)."""
+    (``torch.func.hessian`` of Σ_i ℓ_i; diag or full). ``"hessian"`` runs the closure in fp32 (no autocast)."""
+    if curvature == "hessian" and isinstance(closure, BatchClosure):
+        closure = closure.in_full_precision()
 
     def losses_fn(p: ParamDict) -> Tensor:
         out = closure(p)

@@ -10,6 +10,12 @@ Log-density and KL use the standard closed forms (P = number of covered scalars)
     KL(q ‖ p)  = ½ [ tr(S_p S_q⁻¹) + (m_p−m_q)ᵀ S_p (m_p−m_q) − P + log|S_q| − log|S_p| ]
 
 Natural parameters are η₁ = S m and η₂ = −½ S (Khan & Rue 2023, Sec. 2).
+
+**Precision.** Every public method of a posterior (of this base class and of every subclass, wrapped
+when the subclass is defined) computes in the posterior's own dtype (fp32, or fp64), also when called
+inside an active ``torch.autocast``: autocast is switched off for the call and bf16 / fp16 arguments are
+cast to fp32 (:func:`continual_blr.mixed_precision.full_precision`); bf16 training never reaches the
+solves, samples and log-determinants.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..mixed_precision import full_precision_methods
 from ..types import ParamDict, Structure, num_params
 
 __all__ = ["GaussianPosterior", "randn_like", "tree_sub", "tree_dot"]
@@ -48,10 +55,17 @@ def tree_dot(a: ParamDict, b: ParamDict) -> Tensor:
 
 
 class GaussianPosterior(ABC):
-    """N(m, S⁻¹) over a ParamDict. Subclasses fix how the precision S is stored."""
+    """N(m, S⁻¹) over a ParamDict. Subclasses fix how the precision S is stored.
+
+    Public methods compute in fp32 / fp64 even inside an active autocast (module docstring).
+    """
 
     structure: Structure
     mean: ParamDict
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        full_precision_methods(cls)  # the subclass's own public methods: fp32 under autocast
 
     # ----- what each structure must provide ---------------------------------------------------
     @abstractmethod
@@ -139,3 +153,6 @@ class GaussianPosterior(ABC):
 
     def detach_mean(self) -> ParamDict:
         return {k: v.detach().clone() for k, v in self.mean.items()}
+
+
+full_precision_methods(GaussianPosterior)  # the shared methods (quadratic, sample, log_prob, kl, ...)

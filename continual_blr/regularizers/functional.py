@@ -58,6 +58,12 @@ BatchNorm on running statistics), as in the reference code, whatever mode the mo
 minibatch; old predictions and kernels are computed in eval mode too, so Δp compares like with like
 and is deterministic under dropout (p(X_s; θ) is the eval-mode prediction at both θ and θ_{t−1}).
 The gradient still flows to θ through that forward; each module's own ``training`` flag is restored.
+
+Precision: the penalty (its forward over the memorable points included), the kernels, their Cholesky factors
+and the curvature accumulated at a task's end are computed in fp32 (fp64 for the inverses of the K-FAC factors)
+also inside an active ``torch.autocast``: bf16 training runs only the minibatch's forward in bf16. Δp = p − p_old
+is a difference of nearly equal probabilities that bf16's 8-bit mantissa would round away
+(:func:`~continual_blr.mixed_precision.full_precision`).
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ from torch import Tensor, nn
 from ..curvature import curvature, eval_mode, kernel
 from ..data.stream import Task
 from ..memory import SELECTIONS, MemoryEntry, MemoryStore, forward, select_memorable
+from ..mixed_precision import full_precision
 from ..types import Batch, KronBlock, KronCurvature, ParamDict, params_of
 
 __all__ = ["FunctionalRegularizer", "KERNELS", "CLASS_CHOICES"]
@@ -211,6 +218,7 @@ class FunctionalRegularizer:
 
     # --------------------------------------------------------------------------- task boundaries
 
+    @full_precision
     def on_task_end(self, model: nn.Module, task: Task) -> None:
         """Accumulate this task's curvature at the current weights, then store its memorable points."""
         if self.kernel in ("classwise", "full", "kron"):
@@ -275,6 +283,7 @@ class FunctionalRegularizer:
         """Rebuild old predictions, kernels and their factors at the current weights (eval mode)."""
         self.rebuild(model)
 
+    @full_precision
     def rebuild(self, model: nn.Module) -> None:
         """For every stored task: p_old = p(X_s; θ), K_{s,c} + εI and its Cholesky factor."""
         if not len(self.memory):
@@ -327,6 +336,7 @@ class FunctionalRegularizer:
             groups.append((head, torch.cat(xs), parts))
         return groups
 
+    @full_precision
     def penalty(self, model: nn.Module, batch: Batch, task: Task, params: ParamDict | None = None) -> Tensor:
         """(τ/2) Σ_s Σ_c Δp_{s,c}ᵀ K_{s,c}⁻¹ Δp_{s,c} at the model's parameters (or at ``params``).
 

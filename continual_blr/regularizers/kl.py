@@ -12,6 +12,9 @@ For Gaussians with q = N(μ, Σ) and p = N(m₀, S₀⁻¹) over P scalars (clos
 With Σ = diag(σ²) the trace is Σ_j (S₀)_jj σ_j². :func:`kl_diag` (mean-field q, differentiable in μ and
 log σ²) and :func:`kl_full` (full-covariance q via its Cholesky factor, dense, for small models) both
 accept a diagonal or full prior. :class:`KLPrior` is the mean-field penalty as a regulariser.
+
+Precision: the KL terms are computed in fp32 (or the prior's fp64) also inside an active ``torch.autocast``
+(bf16 training runs VCL's sampled forward in bf16, never its KL; :func:`~continual_blr.mixed_precision.full_precision`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from ..data.stream import Task
+from ..mixed_precision import full_precision
 from ..posteriors import DiagPosterior, FullPosterior, GaussianPosterior, load_posterior
 from ..types import Batch, ParamDict, params_of
 
@@ -39,6 +43,7 @@ def _precision_diag(prior: GaussianPosterior) -> ParamDict:
     raise TypeError(f"prior: a diagonal or full Gaussian is needed here, got {type(prior).__name__}")
 
 
+@full_precision
 def kl_diag(mean: ParamDict, log_var: ParamDict, prior: GaussianPosterior) -> Tensor:
     """KL(N(μ, diag e^{log σ²}) ‖ prior) in closed form; differentiable in ``mean`` and ``log_var``.
 
@@ -51,6 +56,7 @@ def kl_diag(mean: ParamDict, log_var: ParamDict, prior: GaussianPosterior) -> Te
     return 0.5 * (trace + quad - prior.dim - logdet_cov - prior.logdet_precision())  # type: ignore[operator]
 
 
+@full_precision
 def kl_full(mean: Tensor, scale_tril: Tensor, prior: GaussianPosterior) -> Tensor:
     """KL(N(μ, L Lᵀ) ‖ prior) in closed form, dense (μ in ``types.flatten`` order of the prior's mean).
 
@@ -117,6 +123,7 @@ class KLPrior:
             {k: torch.exp(-self.log_var[k].detach()) if k in active else self.prior.precision[k]
              for k in self.prior.mean})
 
+    @full_precision
     def penalty(self, model: nn.Module, batch: Batch, task: Task, params: ParamDict | None = None) -> Tensor:
         """KL(q_A ‖ p_A) / N, differentiable in μ (``params`` or the model's) and ``log_var``."""
         mean = params if params is not None else params_of(model, self.active, detach=False)
@@ -126,6 +133,7 @@ class KLPrior:
     def on_task_start(self, model: nn.Module, task: Task) -> None:
         pass
 
+    @full_precision
     def on_task_end(self, model: nn.Module, task: Task) -> None:
         """q_t becomes the prior of task t+1 (q keeps its value: a warm start; inactive parameters keep
         the prior they had)."""

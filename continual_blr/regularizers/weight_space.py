@@ -27,6 +27,9 @@ the MAP of sequential Bayes. EWC uses the per-example-mean Fisher F̄_t = C_t / 
 
 Parameters: ``penalty(..., params=...)`` evaluates at a ParamDict (functional calls, e.g. inside the
 BLR's ``torch.func`` transforms); without ``params`` it uses the model's own parameters.
+
+Precision: the penalty, the task's curvature and the new term are computed in fp32 (the posteriors' own
+dtype) also inside an active ``torch.autocast`` (bf16 training; :func:`~continual_blr.mixed_precision.full_precision`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from torch import Tensor, nn
 
 from ..curvature import curvature as curvature_of
 from ..data.stream import Task
+from ..mixed_precision import full_precision
 from ..posteriors import DiagPosterior, FullPosterior, GaussianPosterior, KronPosterior, kron_layers, load_posterior
 from ..types import Batch, Curvature, ParamDict, Structure, params_of, parse_enum
 
@@ -226,6 +230,7 @@ class GaussianPrior:
         """c = scale / N_t (``divide_by_n``) or scale."""
         return self.scale / max(1, task.n_train) if self.divide_by_n else self.scale
 
+    @full_precision
     def penalty(self, model: nn.Module, batch: Batch, task: Task, params: ParamDict | None = None) -> Tensor:
         """(c/2) Σ_k (θ − m_k)ᵀ S_k (θ − m_k); differentiable in θ (``params`` or the model's)."""
         if not self.terms or self.scale == 0:
@@ -238,6 +243,7 @@ class GaussianPrior:
         if not self._ready:
             self.setup(model)
 
+    @full_precision
     def task_curvature(self, model: nn.Module, task: Task) -> Any:
         """C_t · curvature_scale at the model's weights on the task's training data (in the structure)."""
         names = self.names(model)
@@ -258,6 +264,7 @@ class GaussianPrior:
             return a * c
         return type(c)([blk._replace(A=a * blk.A) for blk in c.blocks], {k: a * v for k, v in c.diag.items()})
 
+    @full_precision
     def on_task_end(self, model: nn.Module, task: Task) -> None:
         """Fold task t into the prior: a new term (separate) or the running term (online)."""
         if self.curvature is None:
