@@ -24,7 +24,7 @@ from continual_blr.methods import build_method
 from continual_blr.methods.base import TrainConfig
 from continual_blr.mixed_precision import is_channels_last
 from continual_blr.models import build_model
-from continual_blr.posteriors import DiagPosterior, FullPosterior, KronPosterior, kron_layers
+from continual_blr.posteriors import DiagPosterior, FullPosterior, KronPosterior
 from continual_blr.regularizers.functional import FunctionalRegularizer
 
 BF16_ACCURACY_BAND = 0.03
@@ -223,10 +223,8 @@ def test_fromp_kernel_and_penalty_are_fp32_inside_an_active_bf16_autocast(gen):
 def test_posteriors_are_fp32_inside_an_active_bf16_autocast(gen):
     model = _small_net()
     mean = {k: p.detach().clone() for k, p in model.named_parameters()}
-    layers = kron_layers(model)
     c = curvature(model, torch.randn(10, 6, generator=gen), kind="ggn", structure="kron")
     posts = [DiagPosterior(mean, 2.0), FullPosterior(mean, 2.0), KronPosterior.from_curvature(mean, c, 0.5)]
-    assert layers
     theta = {k: v + 0.1 for k, v in mean.items()}
     for post in posts:
         ref = (post.log_prob(theta), post.sample(torch.Generator().manual_seed(3)), post.covariance_diag())
@@ -253,6 +251,10 @@ methods:
 def _matrices(run):
     payload = json.loads((run / "results.json").read_text())
     return {r["method"]: r["acc_matrix"] for r in payload["results"]}, payload["config"]["train"]
+
+
+def _load(path):
+    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def _same_state(a, b, where=""):
@@ -291,13 +293,12 @@ def test_an_interrupted_bf16_run_resumes_to_the_uninterrupted_one(tmp_path, monk
     assert ref_train["precision"] == out_train["precision"] == "bf16"
     assert ref_acc == out_acc
     for m in ("blr", "fromp"):
-        _same_state(torch.load(ref / m / "model.pt", weights_only=False), torch.load(out / m / "model.pt", weights_only=False), m)
-        _same_state(torch.load(ref / m / "method.pt", weights_only=False), torch.load(out / m / "method.pt", weights_only=False), m)
+        for f in ("model.pt", "method.pt"):
+            _same_state(_load(ref / m / f), _load(out / m / f), f"{m}/{f}")
     # the precision matters to the result, so the resumed run's equality shows it continued in bf16
-    fp32_model = torch.load(fp32 / "blr" / "model.pt", weights_only=False)
+    fp32_model = _load(fp32 / "blr" / "model.pt")
     assert _matrices(fp32)[1]["precision"] == "fp32"
-    assert any(not torch.equal(v, fp32_model[k])
-               for k, v in torch.load(ref / "blr" / "model.pt", weights_only=False).items())
+    assert any(not torch.equal(v, fp32_model[k]) for k, v in _load(ref / "blr" / "model.pt").items())
 
 
 # ------------------------------------------------------------------------------------------ errors

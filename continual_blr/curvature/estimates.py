@@ -84,8 +84,9 @@ def curvature(
 ) -> ParamDict | Tensor | KronCurvature:
     """A curvature of the summed loss Σ_b ℓ(f_θ(x_b), y_b) over a data set (see the module docstring).
 
-    Precision: computed in the model's dtype (fp32 / fp64) also inside an active ``torch.autocast`` (bf16 training):
-    autocast is off for the call and bf16 / fp16 arguments are cast to fp32 (:func:`~continual_blr.mixed_precision.full_precision`).
+    Precision: computed in the model's dtype (fp32 / fp64) also inside an active ``torch.autocast``
+    (bf16 training): autocast is off for the call and bf16 / fp16 arguments are cast to fp32
+    (:func:`~continual_blr.mixed_precision.full_precision`).
 
     Args:
         model: network with outputs [B, K] (logits for classification, means for regression).

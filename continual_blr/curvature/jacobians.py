@@ -174,8 +174,9 @@ def per_example_jacobians(
 ) -> ParamDict:
     """Per-example Jacobians of the outputs with respect to the parameters.
 
-    Precision: computed in the model's dtype (fp32 / fp64) also inside an active ``torch.autocast`` (bf16 training):
-    autocast is off for the call and bf16 / fp16 arguments are cast to fp32 (:func:`~continual_blr.mixed_precision.full_precision`).
+    Precision: computed in the model's dtype (fp32 / fp64) also inside an active ``torch.autocast``
+    (bf16 training): autocast is off for the call and bf16 / fp16 arguments are cast to fp32
+    (:func:`~continual_blr.mixed_precision.full_precision`).
 
     .. math:: J[\\theta]_{b,k} = \\partial o_k(x_b) / \\partial \\theta,
               \\quad o = \\text{output\\_fn}(f_\\theta(x, \\text{head}))  (o = f without output_fn)
@@ -221,8 +222,9 @@ def per_example_grads(
 ) -> tuple[Tensor, ParamDict]:
     """Per-example losses and gradients g_b = ∇_θ ℓ(f_θ(x_b), y_b) (not a minibatch mean).
 
-    Precision: computed in the model's dtype (fp32 / fp64) also inside an active ``torch.autocast`` (bf16 training):
-    autocast is off for the call and bf16 / fp16 arguments are cast to fp32 (:func:`~continual_blr.mixed_precision.full_precision`).
+    Precision: computed in the model's dtype (fp32 / fp64) also inside an active ``torch.autocast``
+    (bf16 training): autocast is off for the call and bf16 / fp16 arguments are cast to fp32
+    (:func:`~continual_blr.mixed_precision.full_precision`).
 
     ``loss_fn(logits, y)`` must return per-example losses [B] (``reduction='none'``) and treat examples
     independently. Computed as J_bᵀ ∇_f ℓ_b: one forward, ∇_f ℓ by ``torch.func.grad`` of Σ_b ℓ_b

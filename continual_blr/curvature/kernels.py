@@ -322,8 +322,9 @@ def kernel(
 ) -> Tensor:
     """The DNN2GP kernel K = J Σ Jᵀ of ``output_fn ∘ f`` at M points (see the module docstring).
 
-    Precision: computed in the model's dtype (fp32 / fp64) also inside an active ``torch.autocast`` (bf16 training):
-    autocast is off for the call and bf16 / fp16 arguments are cast to fp32 (:func:`~continual_blr.mixed_precision.full_precision`).
+    Precision: computed in the model's dtype (fp32 / fp64) also inside an active ``torch.autocast``
+    (bf16 training): autocast is off for the call and bf16 / fp16 arguments are cast to fp32
+    (:func:`~continual_blr.mixed_precision.full_precision`).
 
     Args:
         model: network with outputs [B, K]; runs in eval mode (flags restored afterwards).
@@ -437,8 +438,9 @@ def kernel_vector_product(
 ) -> Tensor:
     """K v for the kernel of :func:`kernel` and v of shape [M, K], as jvp(Σ ⊙ vjp(v)).
 
-    Precision: computed in the model's dtype (fp32 / fp64) also inside an active ``torch.autocast`` (bf16 training):
-    autocast is off for the call and bf16 / fp16 arguments are cast to fp32 (:func:`~continual_blr.mixed_precision.full_precision`).
+    Precision: computed in the model's dtype (fp32 / fp64) also inside an active ``torch.autocast``
+    (bf16 training): autocast is off for the call and bf16 / fp16 arguments are cast to fp32
+    (:func:`~continual_blr.mixed_precision.full_precision`).
 
     full (``blockwise=False``): (K v)[m, c] = Σ_{n,d} J_{m,c} Σ J_{n,d}ᵀ v[n, d]  — one vjp, one jvp;
     blockwise: (K v)[m, c] = Σ_n K_c[m, n] v[n, c] — the same, vmapped over the K classes with v

@@ -67,7 +67,8 @@ class BatchClosure:
 
     def __init__(self, model: nn.Module, x: Tensor, y: Tensor, head: int = 0,
                  penalty: Callable[[ParamDict], Tensor] | None = None, likelihood: str = "classification",
-                 sigma: float = 1.0, data_parallel: bool = False, autocast_dtype: torch.dtype | None = None) -> None:
+                 sigma: float = 1.0, data_parallel: bool = False,
+                 autocast_dtype: torch.dtype | None = None) -> None:
         lk.check_likelihood(likelihood, sigma)
         self.model, self.head, self.penalty = model, int(head), penalty
         self.x_global, self.y_global, self.batch_size = x, y, int(x.shape[0])
