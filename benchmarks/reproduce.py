@@ -8,25 +8,23 @@ Run (real MNIST under ``--data-dir``; CPU):
     python benchmarks/reproduce.py split_digits --methods blr none --seeds 0 1 --quick   # smoke run
     python benchmarks/reproduce.py split_mnist --methods ewc --seeds 0 1 --validation 0.1 --data-dir DATA
 
-Each (benchmark, scenario, method, seed) run reads ``configs/<benchmark>/<method>.yaml``, runs the one
-training loop, and stores its StreamResult under ``--runs-dir`` (default ``benchmarks/runs/``, not
-committed). Finished runs are skipped when the command is repeated (resumable), and every run is
-written as soon as it finishes, so an interrupted command loses at most the run in progress.
+Each (benchmark, scenario, method, seed) run reads ``configs/<benchmark>/<scenario>/<method>.yaml`` when the
+command names a scenario and that file exists, else ``configs/<benchmark>/<method>.yaml``, runs the one training
+loop, and stores a **run record** (``benchmarks/records.py``: the StreamResult, cost, commit, dirty flag, library
+hash, versions, device, resolved parameters) under ``--runs-dir`` (default ``benchmarks/records/``, committed:
+kilobytes per run). A record is reused when the command is repeated only while it is current (the library's hash
+is the one it ran on) and made with the config's method settings; otherwise the run is redone. Every record is
+written as soon as its run finishes, so an interrupted command loses at most the run in progress.
 
 The summary goes to ``benchmarks/results/<benchmark>[_<scenario>][_quick].md``: final average accuracy
-mean ± std over seeds, the number of seeds, scenario, memory size, wall time per run and the
-published reference number beside ours; plus ``..._curves.png``, the average accuracy after each task
-per method. The table covers every finished run of that (benchmark, scenario, mode) in the runs
-folder, not only this command's, so methods run by separate commands end up in one table; the
-commands that produced the runs are listed. Text below the ``<!-- notes -->`` line of an existing
-report (the hand-written closing note) is kept when the report is rewritten.
-
-Runs are stored per machine and not committed, so a rewrite on a machine that lacks some methods'
-runs keeps those methods' rows, accuracy matrices and commands from the existing report (listed as
-kept, the curves figure then left as it was); ``--no-keep`` drops them.
-
-A stored run is reused only while its method (name, params, train overrides) is the config's; after a
-config changes (e.g. a λ chosen on validation) the run is redone.
+mean ± std over seeds, the number of seeds, scenario, what each method stored of past examples, wall and CPU time
+per run, the published reference number beside ours, how many of the row's records are current and their
+commits; plus ``..._curves.png``, the average accuracy after each task per method. The table covers every record
+of that (benchmark, scenario, mode), not only this command's, and nothing else: it is generated from records
+alone (``--tables-only`` rewrites it without running; ``benchmarks/tables.py`` rewrites every table that has
+records, and its ``--check`` is what CI runs). Text below the ``<!-- notes -->`` line of an existing report (the
+hand-written closing note) is kept when the report is rewritten. ``--keep`` (for a runs folder that is not the
+committed records) keeps rows of the existing report whose runs are not stored there, labelled as kept.
 
 ``--validation F`` evaluates on ``F`` of each task's training data held out (``stream.validation``)
 instead of the test set: runs go to ``.../<full|quick>_validation<F>/``, the table to
@@ -45,6 +43,9 @@ import time
 from pathlib import Path
 
 from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts (benchmarks/ is not a package)
+import records as run_records  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,13 +72,30 @@ HIGHER_ANCHORS: dict[tuple[str, str], tuple[float, str]] = {
 }
 
 
+def METHOD_HAS_PARAMS(name: str) -> bool:  # noqa: N802 - reads as a predicate on the registry
+    from continual_blr.methods import available_methods
+
+    return available_methods().get(name, (None, None))[1] is not None
+
+
+def _config_path(benchmark: str, method: str, args: argparse.Namespace) -> Path:
+    """``configs/<benchmark>/<scenario>/<method>.yaml`` when the command names a scenario and it exists, else
+    ``configs/<benchmark>/<method>.yaml``."""
+    folder = Path(args.configs_dir) / benchmark
+    scenario = getattr(args, "scenario", None)
+    if scenario and (folder / scenario / f"{method}.yaml").is_file():
+        return (folder / scenario / f"{method}.yaml").resolve()
+    return (folder / f"{method}.yaml").resolve()
+
+
 def _load_config(benchmark: str, method: str, args: argparse.Namespace, prog: str = "reproduce"):
-    """The run config ``configs/<benchmark>/<method>.yaml`` with the command's scenario, data root, validation,
+    """The run config ``configs/<benchmark>/<scenario>/<method>.yaml`` if the command names a scenario and that file
+    exists, else ``configs/<benchmark>/<method>.yaml``, with the command's scenario, data root, validation,
     device and mode (``args``: configs_dir, scenario, data_dir, validation, device, quick, no_progress)."""
     from continual_blr.config import RunConfig, from_dict, yaml_load
 
     folder = Path(args.configs_dir) / benchmark
-    path = folder / f"{method}.yaml"
+    path = _config_path(benchmark, method, args)  # a scenario's own protocol first (configs/split_mnist/class/)
     if not path.is_file():
         available = sorted(p.stem for p in folder.glob("*.yaml"))
         raise SystemExit(f"{prog}: no config {path}; available for {benchmark}: {', '.join(available) or 'none'}")
@@ -122,21 +140,34 @@ def run_one(benchmark: str, method: str, seed: int, args: argparse.Namespace, ru
     path = _runs_folder(runs_dir, benchmark, scenario, args.quick, validation) / f"{method}_seed{seed}.json"
     if path.is_file() and not args.force:
         stored = json.loads(path.read_text())
-        if _same_method(stored, cfg):
+        if not _same_method(stored, cfg):
+            tqdm.write(f"{method} seed {seed}: stored run has other method settings than {method}.yaml; rerunning")
+        elif not run_records.is_current(stored):
+            tqdm.write(f"{method} seed {seed}: stored run ran on another version of the library "
+                       f"({stored.get('library_hash')}); rerunning")
+        else:
             return stored
-        tqdm.write(f"{method} seed {seed}: stored run has other method settings than {method}.yaml; rerunning")
+    import dataclasses
+
     import torch
 
+    from continual_blr.methods import build_method
     from continual_blr.runner import run_config
 
-    cfg.out = str(path.parent / f"{method}_seed{seed}")
+    mc = cfg.methods[0]
+    resolved = build_method(mc.name, mc.params).params if METHOD_HAS_PARAMS(mc.name) else None
+    origin = run_records.provenance(cfg.device)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     t0, c0 = time.perf_counter(), time.process_time()
     result = run_config(cfg, save=False)[0]
-    record = result.to_dict() | {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, "memory": _memory_size(cfg), "quick": args.quick,
+    record = result.to_dict() | {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
+                                 "memory_per_task": _memory_size(cfg), "quick": args.quick,
                                  "validation": validation,
                                  "method_name": method, "command": command, "load_at_start": load,
-                                 "threads": torch.get_num_threads()}
+                                 "threads": torch.get_num_threads(),
+                                 "resolved_params": None if resolved is None else dataclasses.asdict(resolved),
+                                 "config_file": str(_config_path(benchmark, method, args).relative_to(ROOT))
+                                 if _config_path(benchmark, method, args).is_relative_to(ROOT) else None} | origin
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=2))
@@ -164,6 +195,28 @@ def _mean_std(xs: list[float]) -> tuple[float, float]:
     return mean_std(xs)
 
 
+def _bytes(n: int) -> str:
+    """``"512 B"``, ``"157 KB"``, ``"1.5 MB"`` (1 KB = 1,024 bytes)."""
+    if n < 1024:
+        return f"{n} B"
+    if n < 1024**2:
+        return f"{n / 1024:.0f} KB"
+    return f"{n / 1024**2:.1f} MB"
+
+
+def _memory_cell(rec: dict) -> str:
+    """What a run stored of past examples: ``"200 ex. in all, 157 KB"`` from its ``memory`` stats (results.json),
+    the per-task count of its config for records made before the stats existed, ``-`` for none."""
+    mem = rec.get("memory")
+    if isinstance(mem, dict):
+        n = int(mem.get("stored_examples", 0))
+        if n == 0:
+            return "-"
+        return f"{n} ex. in all, {_bytes(int(mem.get('stored_bytes', 0)))}"
+    per_task = rec.get("memory_per_task", mem)
+    return f"{per_task} / task" if per_task not in (None, "-") else "-"
+
+
 def report_path(results_dir: Path, benchmark: str, scenario: str, quick: bool, validation: float = 0.0) -> Path:
     """``<results_dir>/<benchmark>[_<scenario>][_quick][_validation].md`` (the benchmark's default scenario has
     no suffix)."""
@@ -182,7 +235,7 @@ def _verdict(mean: float, std: float, ref: float) -> str:
 def shown_command(argv: list[str], data_dir: str | None) -> str:
     """The command line as recorded in tables: the data folder (machine-specific) shown as ``$CONTINUAL_BLR_DATA``."""
     shown = ["$CONTINUAL_BLR_DATA" if data_dir and a == data_dir else
-             f"--data-dir=$CONTINUAL_BLR_DATA" if data_dir and a == f"--data-dir={data_dir}" else a for a in argv]
+             "--data-dir=$CONTINUAL_BLR_DATA" if data_dir and a == f"--data-dir={data_dir}" else a for a in argv]
     return " ".join(shown)
 
 
@@ -215,7 +268,7 @@ def previous_report(out: Path) -> tuple[list[str], dict[str, str], dict[str, lis
 
 
 def write_report(benchmark: str, scenario: str, records: dict[str, list[dict]], args: argparse.Namespace,
-                 command: str, results_dir: Path | None = None) -> Path:
+                 command: str, results_dir: Path | None = None, draw: bool = True) -> Path:
     from continual_blr.plots import plot_average_accuracy
 
     validation = getattr(args, "validation", 0.0) or 0.0
@@ -235,16 +288,21 @@ def write_report(benchmark: str, scenario: str, records: dict[str, list[dict]], 
                   f"evaluated on the held-out {validation:g} (drawn per seed), never on the test set. For choosing "
                   "hyper-parameters; published (test) numbers are not shown.", ""]
     commands = sorted({r.get("command") or command for recs in records.values() for r in recs})
-    old_commands, old_rows, old_matrices = previous_report(out) if getattr(args, "keep", True) else ([], {}, {})
+    old_commands, old_rows, old_matrices = previous_report(out) if getattr(args, "keep", False) else ([], {}, {})
     kept = [m for m in old_rows if m not in records]
-    lines += ["Produced by (runs stored under `benchmarks/runs/`, resumable):", "", "```", *commands, "```", ""]
+    origin = "" if getattr(args, "keep", False) else (
+        " Generated from the run records under `benchmarks/records/` alone (`python benchmarks/tables.py`). The "
+        "last two columns name the library version(s) (hash of `continual_blr/`) and commit(s) a row's records "
+        "ran on; a record is reused only while its library hash is the current one (`benchmarks/records.py`; "
+        "`python benchmarks/tables.py --status` lists stale records).")
+    lines += [f"Produced by (runs stored as records, resumable):{origin}", "", "```", *commands, "```", ""]
     if kept:
         lines += [f"Rows kept from the previous version of this report (their runs are not stored where it was "
                   f"rewritten): {', '.join(kept)}. Commands of that version:", "", "```",
                   *sorted(set(old_commands) - set(commands)), "```", "",
                   "The curves figure was not redrawn (it needs every row's stored runs).", ""]
-    lines += ["| method | final avg acc (%) | seeds | scenario | memory / task | wall / run (s) | CPU / run (s) | forgetting (%) | published | ours − published |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| method | final avg acc (%) | seeds | scenario | memory | wall / run (s) | CPU / run (s) | forgetting (%) | published | ours − published | library | commits |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     order = {m: i for i, m in enumerate(METHOD_ORDER)}
     methods = sorted([*records, *kept], key=lambda m: (order.get(m, len(order)), m))
     for method in methods:
@@ -262,8 +320,10 @@ def write_report(benchmark: str, scenario: str, records: dict[str, list[dict]], 
         ref_s = f"{ref[0]:.2f} ({ref[1]})" if ref else "-"
         diff = _verdict(m, s, ref[0]) if ref else "-"
         seeds = ",".join(str(r["seed"]) for r in recs)
-        lines.append(f"| {method} | {m:.2f} ± {s:.2f} | {len(recs)} ({seeds}) | {scenario} | {recs[0].get('memory', '-')} | "
-                     f"{wall:.0f} | {cpu} | {fg:.2f} | {ref_s} | {diff} |")
+        libs = ", ".join(sorted({(r.get("library_hash") or "?")[:8] for r in recs}))
+        commits = ", ".join(sorted({(r.get("commit") or "?")[:8] + ("+dirty" if r.get("dirty") else "") for r in recs}))
+        lines.append(f"| {method} | {m:.2f} ± {s:.2f} | {len(recs)} ({seeds}) | {scenario} | {_memory_cell(recs[0])} | "
+                     f"{wall:.0f} | {cpu} | {fg:.2f} | {ref_s} | {diff} | {libs} | {commits} |")
     loads = [r["load_at_start"] for recs in records.values() for r in recs if isinstance(r.get("load_at_start"), (int, float))]
     if loads:
         lines += ["", f"Wall times measured on a shared 2-core CPU (1-minute load average at run start "
@@ -289,7 +349,7 @@ def write_report(benchmark: str, scenario: str, records: dict[str, list[dict]], 
         lines.append("")
     lines += [NOTES_MARKER, notes or "", ""]
     out.write_text("\n".join(lines))
-    if not kept:
+    if not kept and draw:
         curves = {m: [r["avg_acc_per_step"] for r in recs] for m, recs in records.items()}
         plot_average_accuracy(curves, out.with_name(out.stem + "_curves.png"), title=f"{benchmark} ({scenario})")
     return out
@@ -298,7 +358,7 @@ def write_report(benchmark: str, scenario: str, records: dict[str, list[dict]], 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("benchmark", help="a folder of configs/ (split_mnist, permuted_mnist, split_cifar, split_digits, ...)")
-    parser.add_argument("--methods", nargs="+", required=True)
+    parser.add_argument("--methods", nargs="+", default=[])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     parser.add_argument("--scenario", help="override the configs' scenario (task / class / domain)")
     parser.add_argument("--data-dir", help="data root (else $CONTINUAL_BLR_DATA)")
@@ -309,16 +369,22 @@ def main(argv: list[str] | None = None) -> int:
                              "stored and reported apart (..._validation.md)")
     parser.add_argument("--force", action="store_true", help="rerun finished runs")
     parser.add_argument("--no-progress", action="store_true", help="no per-task / per-epoch bars inside a run")
-    parser.add_argument("--runs-dir", default=str(ROOT / "benchmarks" / "runs"))
+    parser.add_argument("--runs-dir", default=str(run_records.RECORDS_DIR),
+                        help="where run records are stored (default: benchmarks/records/, committed)")
     parser.add_argument("--configs-dir", default=str(ROOT / "configs"))
     parser.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--threads", type=int, help="torch threads, intra- and inter-op (default: torch's); 1 is often "
                         "faster on a shared machine (docs/runs.md)")
     parser.add_argument("--only-this-command", action="store_true",
                         help="report only this command's runs (default: every stored run of the benchmark)")
-    parser.add_argument("--no-keep", dest="keep", action="store_false",
-                        help="drop rows of the existing report whose runs are not stored here (default: keep them)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep rows of the existing report whose runs are not stored here (default: the table "
+                             "holds the stored records only)")
+    parser.add_argument("--tables-only", action="store_true",
+                        help="run nothing: rewrite the benchmark's table from its stored records alone")
     args = parser.parse_args(argv)
+    if not args.methods and not args.tables_only:
+        parser.error("--methods: give at least one method (or --tables-only)")
     from continual_blr.data.builders import check_validation
 
     try:
@@ -336,6 +402,13 @@ def main(argv: list[str] | None = None) -> int:
         args.keep = False
     command = "python benchmarks/reproduce.py " + shown_command(sys.argv[1:] if argv is None else argv, args.data_dir)
     runs_dir = Path(args.runs_dir)
+    if args.tables_only:
+        args.keep = False
+        scenario = args.scenario or "task"
+        out = write_report(args.benchmark, scenario, collect_records(runs_dir, args.benchmark, scenario, args.quick,
+                                                                     args.validation), args, command)
+        print(f"wrote {out}")
+        return 0
     records: dict[str, list[dict]] = {}
     scenario = None
     jobs = [(m, s) for m in args.methods for s in args.seeds]

@@ -1,6 +1,7 @@
 """Choose a method's hyper-parameters on validation data: a grid search, recorded as a table.
 
-Run (CPU, one torch thread per run; finished runs are stored under ``benchmarks/runs/search/`` and reused):
+Run (CPU, one torch thread per run; every run leaves a record under ``benchmarks/records/search/`` (committed;
+``benchmarks/records.py``), reused while it is current):
 
     python benchmarks/search.py split_digits ewc --grid lam=1,10,100,1000 --seeds 0 1 2 3 4
     python benchmarks/search.py split_digits laplace --scenario class --grid temperature=0.001,0.01,0.1
@@ -22,7 +23,7 @@ mean ± sample std of the validation accuracy (and per seed), forgetting, the λ
 (``strength.py``), the choice with its paired margin over the runner-up, the test numbers of
 ``--then-test`` and the exact command (the data folder shown as ``$CONTINUAL_BLR_DATA``). It is
 rewritten after every point. A stored run is reused while its stream, model, train budget, method and
-mode are the same (resumable); ``--force`` reruns.
+mode are the same and it ran on the current library (its hash, ``benchmarks/records.py``); ``--force`` reruns.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ DEFAULT_SCENARIOS = ("task", "domain")
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts (benchmarks/ is not a package)
-import reproduce, strength  # noqa: E402
+import records as run_records, reproduce, strength  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- the grid
@@ -73,14 +74,16 @@ def parse_grid(specs: list[str], method: str, base_params: dict[str, Any]) -> di
     """``["lam=1,10", "mode=separate"]`` → ``{"lam": [1.0, 10.0], "mode": ["separate"]}``.
 
     Values take the type of the method's param (its default filled in), checked against the method's
-    params class.
+    params class. A key ``train.<field>`` (e.g. ``train.epochs=5,15``) overrides that field of the run's
+    train settings for this method (``methods[0].train``) instead of a param.
 
     Raises:
         SystemExit: a malformed spec, an unknown param or a value of the wrong type (one line).
     """
-    from continual_blr.methods import build_method
+    from continual_blr.methods import TrainConfig, build_method
 
     defaults = dataclasses.asdict(build_method(method, base_params).params)
+    defaults |= {f"train.{k}": v for k, v in dataclasses.asdict(TrainConfig()).items()}
     grid: dict[str, list[Any]] = {}
     for spec in specs:
         key, sep, values = spec.partition("=")
@@ -162,7 +165,8 @@ def run_point(base, params: dict[str, Any], label: str, seed: int, validation: f
 
     cfg = copy.deepcopy(base)
     mc = cfg.methods[0]
-    cfg.methods = [MethodConfig(mc.name, dict(params), dict(mc.train))]
+    train = dict(mc.train) | {k.removeprefix("train."): v for k, v in params.items() if k.startswith("train.")}
+    cfg.methods = [MethodConfig(mc.name, {k: v for k, v in params.items() if not k.startswith("train.")}, train)]
     cfg.seed = seed
     cfg.stream.validation = validation
     key = run_key(cfg)
@@ -170,12 +174,13 @@ def run_point(base, params: dict[str, Any], label: str, seed: int, validation: f
     path = runs_dir / scenario / _mode(cfg.quick, validation) / f"{_safe(label)}_seed{seed}.json"
     if path.is_file() and not force:
         stored = json.loads(path.read_text())
-        if stored.get("key") == key:
+        if stored.get("key") == key and run_records.is_current(stored):
             return stored
+    origin = run_records.provenance(cfg.device)
     t0, c0 = time.perf_counter(), time.process_time()
     result = run_config(cfg, save=False)[0]
     record = result.to_dict() | {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
-                                 "params": dict(params), "validation": validation, "key": key}
+                                 "params": dict(params), "validation": validation, "key": key} | origin
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=2))
@@ -220,7 +225,7 @@ def write_report(out: Path, *, benchmark: str, config: str, base, grid: dict[str
         f"{validation:g} (drawn per seed from the training data; the test set was not used to choose). Score: final "
         "average validation accuracy (%) over all tasks, mean ± sample std over the seeds.",
         "",
-        "Produced by (runs stored under `benchmarks/runs/search/`, not committed; rerunning skips finished runs):",
+        "Produced by (each run's record under `benchmarks/records/search/`, committed; rerunning skips current ones):",
         "",
         "```",
         command,
@@ -243,7 +248,8 @@ def write_report(out: Path, *, benchmark: str, config: str, base, grid: dict[str
         best = done[choose([[r["avg_acc"] for r in records[i]] for i in done])]
     for i, (point, label) in enumerate(zip(points, labels)):
         recs = records[i]
-        lam = strength.format_lam(strength.lam_equivalent(mc.name, dict(mc.params) | point))
+        lam = strength.format_lam(strength.lam_equivalent(
+            mc.name, dict(mc.params) | {k: v for k, v in point.items() if not k.startswith("train.")}))
         if not recs:
             lines.append(f"| {label} | {lam} | (not run yet) | | | |")
             continue
@@ -306,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="epochs / 5; labelled QUICK in the table")
     ap.add_argument("--force", action="store_true", help="rerun stored runs")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
-    ap.add_argument("--runs-dir", default=str(ROOT / "benchmarks" / "runs" / "search"))
+    ap.add_argument("--runs-dir", default=str(run_records.RECORDS_DIR / "search"),
+                    help="where the runs' records are stored (default: benchmarks/records/search/, committed)")
     ap.add_argument("--configs-dir", default=str(ROOT / "configs"))
     ap.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--out", help="table file (default: see the module docstring)")

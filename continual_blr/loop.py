@@ -55,6 +55,7 @@ class StreamResult:
     task_times: list[float]
     train_loss: list[float]
     config: dict[str, Any] = field(default_factory=dict)
+    memory: dict[str, Any] = field(default_factory=dict)  # Method.memory_stats() at the end of the stream
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -200,6 +201,7 @@ def train_step(
     train: TrainConfig,
     *,
     shard: bool = True,
+    observe: bool = True,
 ) -> Tensor:
     """One optimisation step on one minibatch; returns its loss (detached or not, before the step).
 
@@ -226,15 +228,22 @@ def train_step(
     the backward, the gradient clip, the optimiser step, penalties' kernels / posteriors and the BLR's
     curvature stay fp32. A 4-D input is converted to the model's memory format (channels_last when the
     model's convolution weights are, see ``train.channels_last``).
+
+    After the step, ``method.after_step(model, batch, task)`` sees the minibatch (replay buffers fill from
+    it); with ``shard`` that is the global batch on every rank. ``observe=False`` leaves the call to the
+    caller (the Avalanche plugins, which first gather the ranks' own minibatches).
     """
     batch = batch._replace(x=match_input_format(batch.x, model))
     if isinstance(optimizer, BayesianLearningRule):
         # Per-example gradients under torch.func: deterministic layers (dropout off).
         model.eval()
         try:
-            return optimizer.step(_blr_closure(model, method, batch, task, shard, train.precision))
+            loss = optimizer.step(_blr_closure(model, method, batch, task, shard, train.precision))
         finally:
             model.train()
+        if observe:
+            method.after_step(model, batch, task)
+        return loss
     optimizer.zero_grad(set_to_none=True)
     if not distributed.is_distributed():
         with training_autocast(train.precision, batch.x.device):
@@ -245,6 +254,8 @@ def train_step(
     if train.grad_clip is not None:
         nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
     optimizer.step()
+    if observe:
+        method.after_step(model, batch, task)
     return loss
 
 
@@ -419,6 +430,7 @@ def _run_stream(model, stream, method, train, *, seed, device, progress, config,
         task_times=times,
         train_loss=losses,
         config=config or {},
+        memory=method.memory_stats(),
         **metrics,
     )
 

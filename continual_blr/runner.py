@@ -178,28 +178,31 @@ def load_run_config(path: str | Path) -> RunConfig:
 
 
 def _partial_result(method: str, stream: TaskStream, seed: int, progress: LoopProgress,
-                    config: dict[str, Any]) -> StreamResult:
+                    config: dict[str, Any], memory: dict[str, Any] | None = None) -> StreamResult:
     """A StreamResult of the tasks finished so far (metrics over the finished k×k block of R)."""
     k = progress.next_task
     metrics = stream_metrics([row[:k] for row in progress.acc_matrix[:k]])
     return StreamResult(method=method, stream=stream.name, scenario=stream.scenario, seed=seed,
                         acc_matrix=progress.acc_matrix, task_times=progress.task_times, train_loss=progress.train_loss,
-                        config=config, **metrics)
+                        config=config, memory=dict(memory or {}), **metrics)
 
 
 def format_table(results: list[StreamResult]) -> str:
-    """Final accuracy (%) per task after the last finished task, average, forgetting and time, per method."""
+    """Final accuracy (%) per task after the last finished task, average, forgetting, time and the number of past
+    examples the method stores (``StreamResult.memory``), per method."""
     t = len(results[0].acc_matrix)
-    head = (f"{'method':<10}" + "".join(f"{'T' + str(j + 1):>8}" for j in range(t))
-            + f"{'avg':>8}{'forget':>8}{'time s':>8}")
+    width = max(10, *(len(r.method) + 1 for r in results))
+    head = (f"{'method':<{width}}" + "".join(f"{'T' + str(j + 1):>8}" for j in range(t))
+            + f"{'avg':>8}{'forget':>8}{'time s':>8}{'stored':>8}")
     lines = [head, "-" * len(head)]
     for r in results:
         done = [row for row in r.acc_matrix if not math.isnan(row[0])]
         last = done[-1] if done else [math.nan] * t
         cells = "".join(f"{100 * v:>8.2f}" if not math.isnan(v) else f"{'-':>8}" for v in last)
         note = "" if len(done) == t else f"  ({len(done)}/{t} tasks)"
-        lines.append(f"{r.method:<10}{cells}{100 * r.avg_acc:>8.2f}{100 * r.forgetting:>8.2f}"
-                     f"{sum(r.task_times):>8.1f}{note}")
+        stored = int((r.memory or {}).get("stored_examples", 0))
+        lines.append(f"{r.method:<{width}}{cells}{100 * r.avg_acc:>8.2f}{100 * r.forgetting:>8.2f}"
+                     f"{sum(r.task_times):>8.1f}{stored if stored else '-':>8}{note}")
     return "\n".join(lines)
 
 
@@ -336,7 +339,8 @@ def run_config(cfg: RunConfig, save: bool = True, *, overwrite: bool = False, re
                     return
                 with deferred_interrupts():
                     writer.checkpoint(mc.name, progress, model, method)
-                    writer.results[mc.name] = _partial_result(mc.name, stream, cfg.seed, progress, record)
+                    writer.results[mc.name] = _partial_result(mc.name, stream, cfg.seed, progress, record,
+                                                                   method.memory_stats())
                     if progress.next_task == n_tasks:
                         folder.save_torch(f"{mc.name}/model.pt", model.state_dict())
                         folder.save_torch(f"{mc.name}/method.pt", method.state_dict())

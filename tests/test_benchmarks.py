@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from continual_blr.config import RunConfig, from_dict
@@ -82,7 +83,8 @@ def test_reproduce_report_on_a_tiny_synthetic_run(tmp_path, capsys):
     rows = [line for line in report.splitlines() if line.startswith("| fromp ") or line.startswith("| none ")]
     assert len(rows) == 2 and rows[0].startswith("| fromp ")  # canonical order: fromp before none
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
-    assert "±" in cells[1] and cells[2] == "2 (0,1)" and cells[3] == "task" and cells[4] == "4"
+    # fromp keeps n_points = 4 per task over 2 tasks: 8 stored examples (results.json's memory stats)
+    assert "±" in cells[1] and cells[2] == "2 (0,1)" and cells[3] == "task" and cells[4].startswith("8 ex. in all, ")
     assert "python benchmarks/reproduce.py tiny" in report
     assert "QUICK" not in report
     assert "**fromp** (seed 0)" in report  # accuracy matrices
@@ -110,6 +112,55 @@ def test_reproduce_is_resumable_and_merges_runs_and_keeps_notes(tmp_path, monkey
     assert "| none " in report and "| fromp " in report  # both commands' runs in one table
     assert report.count("python benchmarks/reproduce.py tiny") == 2
     assert report.rstrip().endswith("Closing note: kept across rewrites.")
+
+
+def test_records_hold_provenance_and_a_stale_record_is_rerun(tmp_path, monkeypatch):
+    """A record names its commit, dirty flag, library hash, versions, device and resolved parameters; a record
+    whose library hash is not the current one is run again, a current one is reused."""
+    reproduce = _load_reproduce()
+    _tiny_configs(tmp_path)
+    reproduce.main(_args(tmp_path, "--methods", "ewc", "--seeds", "0"))
+    path = tmp_path / "runs" / "tiny" / "task" / "full" / "ewc_seed0.json"
+    rec = json.loads(path.read_text())
+    assert rec["library_hash"] == reproduce.run_records.library_hash() and len(rec["library_hash"]) == 16
+    assert rec["versions"]["torch"] == torch.__version__ and rec["device"]
+    assert rec["resolved_params"]["lam"] == 1.0 and "mode" in rec["resolved_params"]  # defaults filled in
+    assert "commit" in rec and "dirty" in rec
+    import continual_blr.runner as runner
+
+    calls = []
+    real = runner.run_config
+    monkeypatch.setattr(runner, "run_config", lambda *a, **k: calls.append(1) or real(*a, **k))
+    reproduce.main(_args(tmp_path, "--methods", "ewc", "--seeds", "0"))
+    assert calls == []  # current: reused
+    path.write_text(json.dumps(rec | {"library_hash": "0" * 16}))
+    reproduce.main(_args(tmp_path, "--methods", "ewc", "--seeds", "0"))
+    assert calls == [1]  # stale: rerun
+
+
+def test_tables_are_generated_from_records_alone_and_checked(tmp_path):
+    """tables.py rebuilds a table from its records; --check passes on it and fails once a row is edited by hand."""
+    reproduce = _load_reproduce()
+    _tiny_configs(tmp_path)
+    reproduce.main(_args(tmp_path, "--methods", "none", "--seeds", "0", "1"))
+    spec = importlib.util.spec_from_file_location("tables", ROOT / "benchmarks" / "tables.py")
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    argv = ["--records-dir", str(tmp_path / "runs"), "--results-dir", str(tmp_path / "results")]
+    assert tables.main(argv) == 0
+    assert tables.main([*argv, "--check"]) == 0
+    out = tmp_path / "results" / "tiny.md"
+    out.write_text(out.read_text().replace("| none |", "| none (tuned) |", 1))
+    assert tables.main([*argv, "--check"]) == 1
+
+
+def test_committed_tables_equal_what_their_records_generate():
+    """CI's check: every table under benchmarks/results/ that has records under benchmarks/records/ is exactly
+    what those records generate (above its notes line)."""
+    spec = importlib.util.spec_from_file_location("tables", ROOT / "benchmarks" / "tables.py")
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    assert tables.main(["--check"]) == 0
 
 
 def test_quick_mode_is_labelled_and_stored_apart(tmp_path):
@@ -273,7 +324,8 @@ def test_split_digits_validation_runs_are_stored_apart(tmp_path):
 
 
 def test_reproduce_keeps_rows_whose_runs_are_not_stored_here(tmp_path):
-    """Stored runs are per machine: a rewrite elsewhere keeps the other rows (marked), unless --no-keep."""
+    """With --keep (a runs folder that is not the committed records) a rewrite keeps the rows whose runs are not
+    stored there, marked as kept; by default a table holds the stored records only."""
     import shutil
 
     reproduce = _load_reproduce()
@@ -285,11 +337,11 @@ def test_reproduce_keeps_rows_whose_runs_are_not_stored_here(tmp_path):
     assert "$CONTINUAL_BLR_DATA" in first and str(tmp_path / "data") not in first  # no machine paths
     out.write_text(out.read_text().replace("--data-dir $CONTINUAL_BLR_DATA", "--data-dir /old/machine/data"))
     shutil.rmtree(tmp_path / "runs")  # another machine: nothing stored
-    reproduce.main(_args(tmp_path, "--methods", "fromp", "--seeds", "0"))
+    reproduce.main(_args(tmp_path, "--methods", "fromp", "--seeds", "0", "--keep"))
     report = out.read_text()
     assert none_row in report.splitlines() and "| fromp " in report
     assert "Rows kept from the previous version of this report" in report and ": none." in report
     assert report.count("**none** (seed 0)") == 1 and report.count("**fromp** (seed 0)") == 1
     assert "--methods none" in report and "/old/machine" not in report  # the kept row's command, no machine path
-    reproduce.main(_args(tmp_path, "--methods", "fromp", "--seeds", "0", "--no-keep"))
+    reproduce.main(_args(tmp_path, "--methods", "fromp", "--seeds", "0"))
     assert "| none |" not in out.read_text()

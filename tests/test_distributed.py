@@ -41,6 +41,10 @@ CASES: dict[str, tuple[str, dict]] = {
     "blr_mc": ("blr", {"mc_samples": 1, "lr": 0.1}),
     "blr_kron": ("blr", {"structure": "kron", "mc_samples": 0, "lr": 0.1, "curvature": "mc_fisher"}),
     "blr_price": ("blr", {"curvature": "price", "init_hess": 0.1, "mc_samples": 1, "lr": 0.1}),
+    # replay: every rank offers the global minibatch to its buffer and draws the same replay examples
+    "er": ("er", {"memory_size": 30, "selection": "class_balanced"}),
+    "derpp": ("derpp", {"memory_size": 30}),
+    "fromp_replay": ("fromp-replay", {"memory_size": 12, "replay_batch_size": 5}),
 }
 # Kronecker BLR *with weight samples*: a sample is U_G (ε ⊙ D^{-1/2}) U_Aᵀ from eigendecompositions of the
 # factors, whose eigenvectors inside a degenerate eigenspace (the isotropic start, unused heads) jump
@@ -82,7 +86,7 @@ def run_case(name: str) -> dict:
     out = {"acc": torch.tensor(res.acc_matrix), "loss": torch.tensor(res.train_loss),
            "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
            "state": method.state_dict()}
-    if reg_name == "fromp":  # the kernels of every stored task at the final weights (identical on every rank)
+    if reg_name.startswith("fromp"):  # the kernels of every stored task at the final weights (identical on every rank)
         method.regularizer.rebuild(model)
         out["kernels"] = [{k: v for k, v in e.extras.items()} for e in method.regularizer.memory]
     return out
@@ -148,7 +152,8 @@ def _wait(procs: list[subprocess.Popen], limit_s: float) -> list[tuple[int, str]
 
 def test_two_processes_equal_one_process(tmp_path):
     """none / EWC (MC Fisher) / Laplace (K-FAC) / FROMP / BLR (delta method, a weight sample, Kronecker with
-    MC-Fisher labels, IVON's Price estimate): the accuracy matrix is equal and every carried tensor agrees
+    MC-Fisher labels, IVON's Price estimate) / ER, DER++ and FROMP with replay (the buffers and the memory, stored
+    logits included): the accuracy matrix is equal and every carried tensor agrees
     (tolerances in the module docstring); the sampled Kronecker BLR: the two ranks agree bitwise."""
     procs = _launch(["worker", str(tmp_path), *CASES, *RANKS_ONLY])
     results = _wait(procs, limit_s=600)
@@ -261,8 +266,30 @@ def test_avalanche_weight_prior_plugin_under_distributed_helper(tmp_path):
         torch.testing.assert_close(last[k], v, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow  # ≈ 50 s: Avalanche's import in three processes
+def test_avalanche_buffer_replay_plugin_under_distributed_helper(tmp_path):
+    """ER's plugin (declares supports_distributed) under Avalanche's DistributedHelper, 2 gloo processes each with
+    its own part of every minibatch: the ranks gather the minibatches before the buffer sees them, so they end with
+    the same buffer (examples, labels, heads) and, replaying the same examples, the same weights."""
+    import pytest
+
+    pytest.importorskip("avalanche")
+    home = tmp_path / "home"
+    home.mkdir()
+    procs = _launch(["avalanche", str(tmp_path), "er"], extra_env={"HOME": str(home), "WANDB_MODE": "disabled"})
+    for code, err in _wait(procs, limit_s=300):
+        assert code == 0, err[-3000:]
+    r0, r1 = (torch.load(tmp_path / f"avalanche.rank{r}.pt", weights_only=False) for r in range(2))
+    assert r0["supports"] and r1["supports"]
+    buf = r0["state"]["buffer"]
+    assert buf["size"] == 30 and buf["n_seen"] == 2 * 2 * 120  # 2 tasks × 2 epochs × 120: every example offered
+    for (path, x), (_, y) in zip(_leaves({k: r0[k] for k in ("weights", "state")}),
+                                 _leaves({k: r1[k] for k in ("weights", "state")})):
+        assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), path
+
+
 def test_avalanche_plugins_declare_distributed_support():
-    """Only the weight-prior plugin declares it; every other plugin says why not in its docstring."""
+    """The weight-prior and buffer-replay plugins declare it; every other plugin says why not in its docstring."""
     import pytest
 
     pytest.importorskip("avalanche")
@@ -271,7 +298,7 @@ def test_avalanche_plugins_declare_distributed_support():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from continual_blr.integrations import avalanche as av
-    assert av.WeightPriorPlugin.supports_distributed is True
+    assert av.WeightPriorPlugin.supports_distributed is True and av.BufferReplayPlugin.supports_distributed is True
     for cls in (av.MethodPlugin, av.VCLPlugin, av.FROMPPlugin, av.BLRPlugin):
         assert cls.supports_distributed is False
         assert "Not declared supports_distributed" in cls.__doc__, cls
@@ -389,7 +416,10 @@ def _avalanche_run(out: Path, name: str) -> None:
         benchmark = av.stream_to_benchmark(stream)
         torch.manual_seed(0)
         model = MTSimpleMLP(input_size=10, hidden_size=16)  # not wrapped: the plugin all-reduces the gradient
-        plugin = av.WeightPriorPlugin(name, {"lam": 10.0} if name == "ewc" else {}, seed=0)
+        if name in av.BufferReplayPlugin.family:
+            plugin = av.BufferReplayPlugin(name, {"memory_size": 30}, seed=0)
+        else:
+            plugin = av.WeightPriorPlugin(name, {"lam": 10.0} if name == "ewc" else {}, seed=0)
         strategy = Naive(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.01), train_mb_size=20,
                          train_epochs=2, plugins=[plugin], evaluator=EvaluationPlugin(loggers=[]))
         for exp in benchmark.train_stream:
@@ -397,8 +427,8 @@ def _avalanche_run(out: Path, name: str) -> None:
         task = av.task_from_experience(exp)
         view = plugin.view
         reg = plugin.method.regularizer
-        alone = curvature(view, task.x_train, task.y_train, kind="ggn", structure="diag", head=task.head,
-                          param_names=reg.names(view), shard=False)
+        alone = {} if reg is None else curvature(view, task.x_train, task.y_train, kind="ggn", structure="diag",
+                                                 head=task.head, param_names=reg.names(view), shard=False)
         torch.save({"weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
                     "state": plugin.method.state_dict(),
                     "alone": {k: v / task.n_train for k, v in alone.items()},

@@ -16,7 +16,7 @@ PKG = Path(__file__).resolve().parents[1] / "continual_blr"
 
 LAYERS: list[tuple[str, ...]] = [
     ("types", "mixed_precision", "data", "posteriors", "curvature", "models", "distributed"),
-    ("regularizers", "optim", "memory", "dnn2gp"),
+    ("regularizers", "optim", "memory", "replay_buffer", "dnn2gp"),
     ("methods",),
     ("loop",),
     ("inspect", "plots"),

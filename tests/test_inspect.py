@@ -235,6 +235,8 @@ def test_report_topk_equals_fromp_memory_and_files_valid(fromp_run, tmp_path):
         assert set(s.index[s.stored_memory].tolist()) == stored
     last = insp.scores[-1]  # chosen at the final weights: FROMP's selection function reproduces it
     assert set(last.index[last.topk_now].tolist()) == set(mem[last.task_id]["indices"].tolist())
+    n_stored = sum(m["n"] for m in mem.values())  # the memory is stated in the report: count of stored examples
+    assert f"What the method stores of past examples: <b>{n_stored}</b> in all" in index.read_text()
 
     pngs = list(rep.rglob("*.png"))
     assert pngs

@@ -308,6 +308,13 @@ def _html(insp: Inspection, csv_path: Path, maps: Path, hists: Path, across: Pat
                    "same function at the final weights." if insp.has_memory else
                    f"The run stored no memory: <b>memorable</b> = the top-{insp.top} by tr Λ per task at the final "
                    "weights, from FROMP's own selection function <code>continual_blr.memory.select_memorable</code>.")
+    stats = run.method.memory_stats() if hasattr(run.method, "memory_stats") else {}
+    n_stored = int(stats.get("stored_examples", 0))
+    memory_note += (f" What the method stores of past examples: <b>{n_stored}</b> in all, "
+                    f"{int(stats.get('stored_bytes', 0)):,} bytes of inputs and labels"
+                    + (f" (+ {int(stats['derived_bytes']):,} bytes derived from them: old predictions, kernels)"
+                       if stats.get("derived_bytes") else "") + "." if n_stored else
+                    " The method stores no past examples.")
     timing = ", ".join(f"{k} {v:.1f} s" for k, v in insp.timings.items())
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">

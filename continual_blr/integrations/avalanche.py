@@ -25,6 +25,7 @@ penalty / ``method.loss``        ``before_backward``: ``strategy.loss += regular
                                  a method that overrides ``loss`` replaces the criterion instead
 gradient clipping                ``after_backward`` (``grad_clip``)
 ``train_step`` (own optimiser)   ``before_update``; then the strategy's optimiser sees no gradients
+``method.after_step``            ``after_update`` (replay buffers; the ranks' minibatches gathered first)
 ``method.on_task_end``           ``after_training_exp`` (posteriors, memories, kernels refreshed)
 ``method.predict_proba``         ``after_eval_forward`` (``mb_output`` ← log-probabilities), only if
                                  the method overrides it
@@ -94,6 +95,7 @@ from ..types import Batch
 __all__ = [
     "MethodPlugin",
     "WeightPriorPlugin",
+    "BufferReplayPlugin",
     "VCLPlugin",
     "FROMPPlugin",
     "BLRPlugin",
@@ -389,6 +391,7 @@ class MethodPlugin(SupervisedPlugin):
         self._own_optimizer = _overrides(self.method, "make_optimizer")
         self._replaces_loss = _overrides(self.method, "loss")
         self._predicts = _overrides(self.method, "predict_proba")
+        self._observes = _overrides(self.method, "after_step")
 
     # ----- helpers ---------------------------------------------------------------------------
     def _view(self, strategy: Any) -> nn.Module:
@@ -554,13 +557,29 @@ class MethodPlugin(SupervisedPlugin):
         for p in params:  # Avalanche's gradient (at the mean, of its criterion) is not used
             p.grad = None
         # the library's own update (BLR: sampled per-example gradients; others: method.loss + step)
-        train_step(view, self.method, self.optimizer, self._batch(strategy), self.train_task, self._train)
+        train_step(view, self.method, self.optimizer, self._batch(strategy), self.train_task, self._train,
+                   observe=False)  # after_update hands the step's minibatch to the method
         # the method's parameters are updated: nothing left for the strategy's optimiser to apply to them;
         # parameters it does not cover (e.g. a head Avalanche added) keep the gradient of method.loss
         covered = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
         for p in params:
             if id(p) in covered:
                 p.grad = None
+
+    def after_update(self, strategy: Any, **kwargs: Any) -> None:
+        """``method.after_step`` with the step's minibatch (replay buffers fill from it), as ``train_step`` does
+        in the library's loop. Under a process group each rank holds its own minibatch: they are gathered in
+        rank order first, so every rank offers the same examples and keeps an identical buffer."""
+        if not self._observes:
+            return
+        assert self.train_task is not None
+        from .. import distributed
+
+        batch = self._batch(strategy)
+        if distributed.is_distributed():
+            batch = Batch(distributed.all_gather_cat(batch.x, "replay batch"),
+                          distributed.all_gather_cat(batch.y, "replay batch"), batch.head)
+        self.method.after_step(self._view(strategy), batch, self.train_task)
 
     def after_training_exp(self, strategy: Any, **kwargs: Any) -> None:
         assert self.task is not None
@@ -603,6 +622,23 @@ class WeightPriorPlugin(MethodPlugin, supports_distributed=True):
 
     family = ("ewc", "laplace", "online", "l2")
     default_method = "ewc"
+
+
+class BufferReplayPlugin(MethodPlugin, supports_distributed=True):
+    """Replay from the method's own fixed-size buffer: experience replay (``er``) and DER++ (``derpp``). The
+    buffer fills in ``after_update`` from each minibatch (``Method.after_step``) and the replay terms are part of
+    ``method.loss``, which replaces the strategy's criterion. (Avalanche's own ``ReplayPlugin`` instead mixes
+    stored examples into the data loader; this plugin runs the library's objects, as ``run_stream`` does.)
+
+    Declares ``supports_distributed`` (Avalanche's ``DistributedHelper``; leave the model unwrapped): the
+    ranks' minibatches are gathered before they are offered to the buffer, so every rank keeps an identical
+    buffer and draws identical replay examples from its generator; the replay terms are then the same on every
+    rank and enter the gradient all-reduced with weights b_r / Σ b (``MethodPlugin._all_reduce_gradients``)
+    exactly once, as a penalty does.
+    """
+
+    family = ("er", "derpp")
+    default_method = "er"
 
 
 class VCLPlugin(MethodPlugin):

@@ -23,10 +23,12 @@ from .base import Method, TrainConfig, make_torch_optimizer
 from .blr import BLRMethod, BLRParams
 from .ewc import EWCMethod, EWCParams
 from .fromp import FROMPFullParams, FROMPKronParams, FROMPL2Params, FROMPMethod, FROMPParams, FRORPParams
+from .fromp_replay import FROMPReplayMethod, FROMPReplayParams
 from .ivon import IVONMethod, IVONParams
 from .joint import JointMethod
 from .l2 import L2Method, L2Params
 from .laplace import LaplaceMethod, LaplaceParams
+from .replay import DERPPMethod, DERPPParams, ERMethod, ERParams
 from .vcl import VCLMethod, VCLParams
 
 __all__ = ["Method", "TrainConfig", "METHODS", "MethodParamsError", "build_method", "make_torch_optimizer",
@@ -46,6 +48,9 @@ METHODS: dict[str, tuple[type[Method], type | None]] = {
     "fromp-l2": (FROMPMethod, FROMPL2Params),
     "fromp-full": (FROMPMethod, FROMPFullParams),
     "fromp-kron": (FROMPMethod, FROMPKronParams),
+    "fromp-replay": (FROMPReplayMethod, FROMPReplayParams),
+    "er": (ERMethod, ERParams),
+    "derpp": (DERPPMethod, DERPPParams),
 }
 
 

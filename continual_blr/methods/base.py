@@ -207,6 +207,16 @@ class Method:
         if self.regularizer is not None:
             self.regularizer.on_task_end(model, task)
 
+    def after_step(self, model: nn.Module, batch: Batch, task: Task) -> None:
+        """Called after every optimiser step with the step's minibatch (nothing here; replay methods fill their
+        buffer). In a data-parallel run it gets the *global* minibatch on every rank, so state kept from it
+        stays identical across ranks."""
+
+    def memory_stats(self) -> dict[str, Any]:
+        """What the method stores of past examples: ``stored_examples`` (count) and ``stored_bytes`` (their
+        inputs and labels), plus method-specific entries; recorded in ``results.json`` as ``memory``."""
+        return {"stored_examples": 0, "stored_bytes": 0}
+
     @torch.no_grad()
     def predict_proba(self, model: nn.Module, x: Tensor, head: int) -> Tensor:
         """Class probabilities for inputs ``x`` on output ``head``."""

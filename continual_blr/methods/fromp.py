@@ -20,6 +20,7 @@ Gradient clipping is the loop's ``train.grad_clip`` (the reference code clips at
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from torch import nn
 
@@ -28,7 +29,38 @@ from ..memory import SELECTIONS
 from ..regularizers.functional import CLASS_CHOICES, KERNELS, FunctionalRegularizer
 from .base import Method, TrainConfig
 
-__all__ = ["FROMPParams", "FRORPParams", "FROMPL2Params", "FROMPFullParams", "FROMPKronParams", "FROMPMethod"]
+__all__ = ["FROMPParams", "FRORPParams", "FROMPL2Params", "FROMPFullParams", "FROMPKronParams", "FROMPMethod",
+           "memory_store_stats", "check_functional_fields"]
+
+
+def memory_store_stats(reg: FunctionalRegularizer) -> dict[str, Any]:
+    """``Method.memory_stats`` of a functional regulariser's store: the memorable points, the bytes of their
+    inputs and labels, and ``derived_bytes`` — what was rebuilt from them (old predictions, kernels, factors)."""
+    entries = list(reg.memory)
+    return {"stored_examples": sum(len(e) for e in entries),
+            "stored_bytes": sum(int(e.x.numel() * e.x.element_size() + e.y.numel() * e.y.element_size())
+                                for e in entries),
+            "derived_bytes": sum(int(t.numel() * t.element_size()) for e in entries for t in e.extras.values()),
+            "selection": reg.selection}
+
+
+def check_functional_fields(p: Any) -> None:
+    """The checks of the fields every FROMP-type params dataclass shares (kernel, selection, classes, τ, δ, ε,
+    chunk_size); one-line ``ValueError`` naming the field and what is allowed."""
+    if p.kernel not in KERNELS:
+        raise ValueError(f"params.kernel: got {p.kernel!r}; allowed: {', '.join(map(repr, KERNELS))}")
+    if p.selection not in SELECTIONS:
+        raise ValueError(f"params.selection: got {p.selection!r}; allowed: {', '.join(map(repr, SELECTIONS))}")
+    if p.classes not in CLASS_CHOICES:
+        raise ValueError(f"params.classes: got {p.classes!r}; allowed: {', '.join(map(repr, CLASS_CHOICES))}")
+    if not p.tau >= 0:
+        raise ValueError(f"params.tau: must be >= 0, got {p.tau}")
+    if not p.prior_precision > 0:
+        raise ValueError(f"params.prior_precision: must be > 0, got {p.prior_precision}")
+    if not p.jitter >= 0:
+        raise ValueError(f"params.jitter: must be >= 0, got {p.jitter}")
+    if p.chunk_size is not None and p.chunk_size < 1:
+        raise ValueError(f"params.chunk_size: must be >= 1 or null, got {p.chunk_size}")
 
 
 @dataclass
@@ -61,22 +93,9 @@ class FROMPParams:
     chunk_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kernel not in KERNELS:
-            raise ValueError(f"params.kernel: got {self.kernel!r}; allowed: {', '.join(map(repr, KERNELS))}")
-        if self.selection not in SELECTIONS:
-            raise ValueError(f"params.selection: got {self.selection!r}; allowed: {', '.join(map(repr, SELECTIONS))}")
-        if self.classes not in CLASS_CHOICES:
-            raise ValueError(f"params.classes: got {self.classes!r}; allowed: {', '.join(map(repr, CLASS_CHOICES))}")
-        if not self.tau >= 0:
-            raise ValueError(f"params.tau: must be >= 0, got {self.tau}")
+        check_functional_fields(self)
         if self.n_points < 1:
             raise ValueError(f"params.n_points: must be >= 1, got {self.n_points}")
-        if not self.prior_precision > 0:
-            raise ValueError(f"params.prior_precision: must be > 0, got {self.prior_precision}")
-        if not self.jitter >= 0:
-            raise ValueError(f"params.jitter: must be >= 0, got {self.jitter}")
-        if self.chunk_size is not None and self.chunk_size < 1:
-            raise ValueError(f"params.chunk_size: must be >= 1 or null, got {self.chunk_size}")
 
 
 @dataclass
@@ -122,3 +141,6 @@ class FROMPMethod(Method):
         """Start from an empty memory; single-head class-incremental streams may restrict the columns."""
         self.regularizer.reset()
         self.regularizer.class_incremental = stream.scenario == "class"
+
+    def memory_stats(self) -> dict[str, Any]:
+        return memory_store_stats(self.regularizer) | {"points_per_task": self.params.n_points}

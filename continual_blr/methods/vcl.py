@@ -488,6 +488,13 @@ class VCLMethod(Method):
         """(1/S) Σ_s f(x; θ_s), θ_s ~ q: the predictive mean of the outputs (regression)."""
         return self._outputs(model, x, head, lambda f: f)
 
+    def memory_stats(self) -> dict[str, Any]:
+        """The coresets held out of training (inputs and labels) — VCL's stored examples."""
+        return {"stored_examples": sum(c.n_train for c in self.coresets),
+                "stored_bytes": sum(int(c.x_train.numel() * c.x_train.element_size()
+                                        + c.y_train.numel() * c.y_train.element_size()) for c in self.coresets),
+                "points_per_task": self.params.coreset_size}
+
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"active": list(self.active), "generator": self.generator.get_state(),
                                  "predict_generator": self._predict_generator.get_state()}

@@ -120,6 +120,29 @@ def _cholesky(k: Tensor, jitter: float) -> tuple[Tensor, Tensor, float]:
                        "outputs and prior_precision")
 
 
+def _shrink(e: MemoryEntry, keep: Tensor) -> MemoryEntry:
+    """``e`` restricted to its points ``keep`` (sorted positions): inputs, labels, indices, scores, and the
+    extras — p_old's rows, the kernel's principal sub-matrix (per class [C, M, M], or over (point, output)
+    pairs [M·C', M·C'] indexed m·C' + c) and the Cholesky factor of that sub-matrix."""
+    ex = dict(e.extras)
+    if "p_old" in ex:
+        ex["p_old"] = ex["p_old"][keep.to(ex["p_old"].device)]
+    if "kernel" in ex:
+        k = ex["kernel"]
+        kp = keep.to(k.device)
+        if k.dim() == 3:  # classwise
+            sub = k[:, kp][:, :, kp]
+        else:  # full: rows m·C' + c
+            c = k.shape[-1] // len(e)
+            idx = (kp[:, None] * c + torch.arange(c, device=k.device)).reshape(-1)
+            sub = k[idx][:, idx]
+        ex["kernel"] = sub
+        ex["chol"] = torch.linalg.cholesky(sub.to(torch.float64)).to(sub.dtype)
+    return MemoryEntry(e.task_id, e.head, e.x[keep.to(e.x.device)], e.y[keep.to(e.y.device)],
+                       e.indices[keep.to(e.indices.device)], e.scores[keep.to(e.scores.device)], e.selection,
+                       e.columns, ex)
+
+
 def _match(t: Tensor | None, like: Tensor) -> Tensor:
     """An accumulated curvature entry shaped like the parameter ``like``: zeros where there is none (a head
     added after those tasks), zero-padded at the end of each axis where the parameter has grown (output
@@ -152,6 +175,11 @@ class FunctionalRegularizer:
             from the stream's scenario; only then does ``classes="task"`` restrict the columns).
         generator: ``torch.Generator`` for ``selection="random"``.
         chunk_size: examples per vectorised pass of the curvature engine (None: its default).
+        memory_size: a budget of memorable points **in all** instead of ``n_points`` per task (None: off).
+            After each task the budget is shared over every (task, class) group seen so far
+            (:meth:`share_memory`): ⌊M / G⌋ points per group, the remainder one each to the newest groups;
+            each past task keeps its groups' first (most memorable) points and the task just finished gets
+            its share of newly selected ones, so the store never holds more than M points.
     """
 
     def __init__(
@@ -167,6 +195,7 @@ class FunctionalRegularizer:
         class_incremental: bool = False,
         generator: torch.Generator | None = None,
         chunk_size: int | None = None,
+        memory_size: int | None = None,
     ) -> None:
         if kernel not in KERNELS:
             raise ValueError(f"kernel: got {kernel!r}; allowed: {', '.join(map(repr, KERNELS))}")
@@ -182,8 +211,11 @@ class FunctionalRegularizer:
             raise ValueError(f"prior_precision: must be > 0, got {prior_precision}")
         if not jitter >= 0:
             raise ValueError(f"jitter: must be >= 0, got {jitter}")
+        if memory_size is not None and int(memory_size) < 1:
+            raise ValueError(f"memory_size: must be >= 1 or None, got {memory_size}")
         if selection == "random" and generator is None:
             generator = torch.Generator().manual_seed(0)
+        self.memory_size = None if memory_size is None else int(memory_size)
         self.tau = float(tau)
         self.n_points = int(n_points)
         self.kernel = kernel
@@ -223,7 +255,8 @@ class FunctionalRegularizer:
         """Accumulate this task's curvature at the current weights, then store its memorable points."""
         if self.kernel in ("classwise", "full", "kron"):
             self._accumulate_curvature(model, task)
-        idx, scores = select_memorable(model, task.x_train, task.y_train, self.n_points, head=task.head,
+        n_points = self.n_points if self.memory_size is None else self.share_memory(task)
+        idx, scores = select_memorable(model, task.x_train, task.y_train, n_points, head=task.head,
                                        selection=self.selection, generator=self.generator)
         self.memory.add(MemoryEntry(
             task_id=task.task_id, head=task.head, x=task.x_train[idx].detach().clone(),
@@ -231,6 +264,39 @@ class FunctionalRegularizer:
             selection=self.selection, columns=self._columns(task),
         ))
         self._groups = None
+
+    def share_memory(self, task: Task) -> int:
+        """Shrink the stored tasks to their share of ``memory_size`` and return the new task's share.
+
+        The G groups are the (task, class) pairs of the stored tasks and of ``task``; each gets
+        q = ⌊M / G⌋ points and the r = M − qG left over go one each to the newest groups (``task``'s
+        classes first, in the order :func:`~continual_blr.memory.select_per_class` gives them, then the
+        stored tasks' from the latest back). A stored task keeps, per class, the first points of its
+        entry — the most memorable ones for ``selection="lambda"`` (entries are in rank order per class).
+        Its old predictions and kernels are cut to the kept points (a principal sub-matrix of K + εI, refactorised
+        in float64), so the store stays usable as it is; :meth:`rebuild` recomputes them at the next task start."""
+        assert self.memory_size is not None
+        new_classes = sorted(int(c) for c in torch.unique(task.y_train).tolist())
+        old_groups = [(i, c) for i, e in enumerate(self.memory)
+                      for c in sorted(int(v) for v in torch.unique(e.y).tolist())]
+        g = len(old_groups) + len(new_classes)
+        q, r = divmod(self.memory_size, g)
+        share_new = q * len(new_classes) + min(r, len(new_classes))
+        left = r - min(r, len(new_classes))
+        quota = {grp: q + (1 if k < left else 0) for k, grp in enumerate(reversed(old_groups))}
+        entries = []
+        for i, e in enumerate(self.memory):
+            keep = []
+            for c in sorted(int(v) for v in torch.unique(e.y).tolist()):
+                keep.append((e.y == c).nonzero().squeeze(1)[: quota[(i, c)]])
+            k = torch.cat(keep) if keep else e.y.new_zeros(0)
+            if k.numel() == len(e):
+                entries.append(e)
+                continue
+            entries.append(_shrink(e, torch.sort(k).values))  # the entry's order kept (by class, rank order)
+        self.memory.entries = entries
+        self._groups = None
+        return max(share_new, 1)
 
     def _accumulate_curvature(self, model: nn.Module, task: Task) -> None:
         structure = "kron" if self.kernel == "kron" else "diag"
@@ -374,7 +440,7 @@ class FunctionalRegularizer:
     def config(self) -> dict[str, Any]:
         return {"tau": self.tau, "n_points": self.n_points, "kernel": self.kernel, "selection": self.selection,
                 "prior_precision": self.prior_precision, "jitter": self.jitter, "classes": self.classes,
-                "class_incremental": self.class_incremental}
+                "class_incremental": self.class_incremental, "memory_size": self.memory_size}
 
     def state_dict(self) -> dict[str, Any]:
         """Plain tensors / dicts / lists only (``torch.load(weights_only=True)`` reads it back)."""

@@ -1,0 +1,86 @@
+"""Run records: what every benchmark run leaves behind, small enough to commit (kilobytes, no weights, no data).
+
+A record is one JSON file per (benchmark, scenario, mode, method, seed) under ``benchmarks/records/`` holding the
+run's ``StreamResult`` (accuracy matrix, metrics, the run config), its cost (``wall_s``, ``cpu_s``, threads, load at
+start) and its provenance (:func:`provenance`):
+
+* ``commit`` — ``git rev-parse HEAD`` of the checkout, and ``dirty`` — whether tracked files under
+  ``continual_blr/``, ``configs/`` or ``benchmarks/`` differed from that commit when the run started;
+* ``library_hash`` — the SHA-256 of every ``continual_blr/**/*.py`` file's path and bytes (:func:`library_hash`);
+* ``versions`` — Python, torch, numpy, scikit-learn; ``device`` — the CPU model (or the CUDA device's name);
+* ``resolved_params`` — the method's parameters with every default filled in.
+
+Staleness. A record is **current** while ``library_hash`` equals the hash of the library as it is now: any change
+to any module of the package makes every record stale (a deliberately coarse rule: a change anywhere in the package
+may change a number, and a finer rule would have to know which modules a run imported). ``reproduce.py`` reuses a
+stored record only while it is current and made with the same method settings; otherwise it runs again. Tables are
+generated from records alone (current or not), and state, per row, whether its records are current.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RECORDS_DIR = ROOT / "benchmarks" / "records"
+
+
+def library_hash(root: Path = ROOT) -> str:
+    """SHA-256 over the sorted relative paths and bytes of ``continual_blr/**/*.py`` (first 16 hex digits)."""
+    h = hashlib.sha256()
+    pkg = root / "continual_blr"
+    for p in sorted(pkg.rglob("*.py")):
+        h.update(str(p.relative_to(root)).encode())
+        h.update(b"\0")
+        h.update(p.read_bytes())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def provenance(device: str = "cpu") -> dict[str, Any]:
+    """Commit, dirty flag, library hash, package versions and device of a run starting now."""
+    import numpy
+    import torch
+
+    try:
+        import sklearn
+
+        sk = sklearn.__version__
+    except ImportError:  # pragma: no cover - an extra
+        sk = None
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", "continual_blr", "configs", "benchmarks")
+    dev = _cpu_model()
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        dev = torch.cuda.get_device_name(torch.device(device))
+    return {"commit": _git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status),
+            "library_hash": library_hash(),
+            "versions": {"python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__,
+                         "scikit-learn": sk},
+            "device": dev}
+
+
+def is_current(record: dict[str, Any], current_hash: str | None = None) -> bool:
+    """Whether ``record`` ran on the library as it is now (see the module docstring)."""
+    return record.get("library_hash") == (current_hash or library_hash())

@@ -1,0 +1,96 @@
+"""Rebuild every results table that has run records, from the records alone; ``--check`` compares instead.
+
+Run:
+
+    python benchmarks/tables.py            # rewrite benchmarks/results/<table>.md from benchmarks/records/
+    python benchmarks/tables.py --check    # exit 1 if a committed table differs from what its records give
+    python benchmarks/tables.py --status   # which records are stale (ran on another version of the library)
+
+The records folder is laid out as ``<records>/<benchmark>/<scenario>/<mode>/<method>_seed<k>.json`` with ``mode``
+``full``, ``quick`` or ``<full|quick>_validation<F>`` (``reproduce.py`` writes them; ``benchmarks/records.py`` says
+what a record holds and when it is current). Each folder gives one table (``reproduce.write_report``). The check
+compares the table's text above its ``<!-- notes -->`` line (the hand-written note below it is kept as it is) and
+does not redraw the curves figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts (benchmarks/ is not a package)
+import records as run_records  # noqa: E402
+import reproduce  # noqa: E402
+
+MODE = re.compile(r"^(full|quick)(?:_validation([0-9.]+))?$")
+
+
+def tables(records_dir: Path) -> list[tuple[str, str, bool, float]]:
+    """(benchmark, scenario, quick, validation) of every records folder holding at least one record."""
+    out = []
+    for folder in sorted(records_dir.glob("*/*/*")):
+        m = MODE.match(folder.name)
+        if m is None or folder.parent.parent.name == "search" or not any(folder.glob("*_seed*.json")):
+            continue
+        out.append((folder.parent.parent.name, folder.parent.name, m.group(1) == "quick", float(m.group(2) or 0.0)))
+    return out
+
+
+def _body(text: str) -> str:
+    return text.split(reproduce.NOTES_MARKER, 1)[0]
+
+
+def build(records_dir: Path, results_dir: Path, benchmark: str, scenario: str, quick: bool, validation: float,
+          draw: bool = True) -> Path:
+    """Write the table of one records folder into ``results_dir`` (a notes part is taken from there)."""
+    args = argparse.Namespace(quick=quick, validation=validation, keep=False, results_dir=str(results_dir))
+    recs = reproduce.collect_records(records_dir, benchmark, scenario, quick, validation)
+    return reproduce.write_report(benchmark, scenario, recs, args, command="", results_dir=results_dir, draw=draw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--records-dir", default=str(run_records.RECORDS_DIR))
+    ap.add_argument("--results-dir", default=str(reproduce.ROOT / "benchmarks" / "results"))
+    ap.add_argument("--check", action="store_true", help="compare with the committed tables; write nothing")
+    ap.add_argument("--status", action="store_true", help="list the records that are not current; write nothing")
+    args = ap.parse_args(argv)
+    records_dir, results_dir = Path(args.records_dir), Path(args.results_dir)
+    found = tables(records_dir)
+    if not found:
+        print(f"tables: no records under {records_dir}")
+        return 0
+    if args.status:
+        current = run_records.library_hash()
+        for benchmark, scenario, quick, validation in found:
+            recs = reproduce.collect_records(records_dir, benchmark, scenario, quick, validation)
+            for method, rs in recs.items():
+                stale = [r["seed"] for r in rs if not run_records.is_current(r, current)]
+                state = f"stale seeds {stale}" if stale else "current"
+                print(f"{benchmark}/{scenario}/{'quick' if quick else 'full'}{validation or ''} {method}: "
+                      f"{len(rs)} records, {state}")
+        return 0
+    bad = []
+    for benchmark, scenario, quick, validation in found:
+        name = reproduce.report_path(results_dir, benchmark, scenario, quick, validation).name
+        if not args.check:
+            print(f"wrote {build(records_dir, results_dir, benchmark, scenario, quick, validation)}")
+            continue
+        committed = results_dir / name
+        with tempfile.TemporaryDirectory() as tmp:
+            if committed.is_file():
+                (Path(tmp) / name).write_text(committed.read_text())
+            got = build(records_dir, Path(tmp), benchmark, scenario, quick, validation, draw=False).read_text()
+        if not committed.is_file() or _body(committed.read_text()) != _body(got):
+            bad.append(name)
+            print(f"tables: {name} differs from what its records generate (run python benchmarks/tables.py)")
+        else:
+            print(f"tables: {name} matches its {benchmark}/{scenario} records")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""FROMP with replay of its memorable points (``fromp-replay``): one memory of M points in all, used twice.
+
+The memory is FROMP's (:mod:`continual_blr.regularizers.functional`) with a total budget: after each task
+the M = ``memory_size`` points are shared over every (task, class) group seen so far and chosen by
+memorability, the top tr Λ(x) per class (:meth:`FunctionalRegularizer.share_memory`). The loss adds to
+FROMP's functional penalty the negative log-likelihood of the same points' stored labels:
+
+    L(θ) = (1/B) Σ_{i∈batch} ℓ(f_θ(x_i), y_i)
+           + γ (1/k) Σ_{j∈replay} ℓ(f_θ(x_j), y_j)                           (replay of the memory's labels)
+           + (τ/2) Σ_{s<t} Σ_c Δp_{s,c}ᵀ K_{s,c}⁻¹ Δp_{s,c}                  (FROMP, Pan et al. 2020, Eq. 9)
+
+with γ = ``replay_weight`` and the k replayed points drawn uniformly without replacement from the memory at
+every step (k = ``replay_batch_size``; None: all of them, in a fixed order). On a class-incremental stream
+(one head over all classes) the label term keeps the old classes' outputs trained where the new task's data
+would otherwise push every input to the new classes, and the functional term keeps the old function's
+probabilities at those points; on a task-incremental stream each point is replayed on its task's head.
+
+Data parallel: the memory, and the generator that draws the replayed points, are the same on every rank, so
+the replay term (like FROMP's penalty) enters the all-reduced gradient once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..data.stream import TaskStream
+from ..regularizers.functional import FunctionalRegularizer
+from ..types import Batch
+from .base import Method, TrainConfig, mean_nll
+from .fromp import check_functional_fields, memory_store_stats
+
+__all__ = ["FROMPReplayParams", "FROMPReplayMethod"]
+
+
+@dataclass
+class FROMPReplayParams:
+    """Parameters of FROMP with replay.
+
+    Attributes:
+        memory_size: M, memorable points in all (shared over the (task, class) groups seen).
+        tau: τ, the weight of FROMP's functional penalty (0: replay alone, from a memorability-chosen memory).
+        replay_weight: γ, the weight of the replayed points' mean NLL (0: FROMP with a total budget).
+        replay_batch_size: k, points replayed per step (None: every stored point at every step).
+        kernel: ``"classwise"`` | ``"full"`` | ``"kron"`` | ``"identity"`` (as FROMP).
+        selection: ``"lambda"`` (top tr Λ) | ``"random"`` | ``"lowest"``.
+        prior_precision: δ in Σ = diag(1 / (F + δ)).
+        jitter: ε added to each kernel's diagonal.
+        classes: single-head streams — compare a past ``"task"``'s own classes, or ``"all"`` outputs.
+        chunk_size: examples per pass of the curvature engine (None: its default).
+    """
+
+    memory_size: int = 200
+    tau: float = 10.0
+    replay_weight: float = 1.0
+    replay_batch_size: int | None = None
+    kernel: str = "classwise"
+    selection: str = "lambda"
+    prior_precision: float = 1e-3
+    jitter: float = 1e-6
+    classes: str = "task"
+    chunk_size: int | None = None
+
+    def __post_init__(self) -> None:
+        check_functional_fields(self)
+        if self.memory_size < 1:
+            raise ValueError(f"params.memory_size: must be >= 1, got {self.memory_size}")
+        if not self.replay_weight >= 0:
+            raise ValueError(f"params.replay_weight: must be >= 0, got {self.replay_weight}")
+        if self.replay_batch_size is not None and self.replay_batch_size < 1:
+            raise ValueError(f"params.replay_batch_size: must be >= 1 or null, got {self.replay_batch_size}")
+
+
+class FROMPReplayMethod(Method):
+    """FROMP's functional penalty plus replay of its memorable points' labels, from one memory of M points."""
+
+    name = "fromp-replay"
+
+    def __init__(self, params: FROMPReplayParams | None = None, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.params = params or FROMPReplayParams()
+        kw = asdict(self.params)
+        for key in ("replay_weight", "replay_batch_size"):
+            kw.pop(key)
+        kw["n_points"] = kw["memory_size"]
+        self.regularizer: FunctionalRegularizer = FunctionalRegularizer(**kw, generator=self.generator)
+
+    def setup(self, model: nn.Module, stream: TaskStream, train: TrainConfig) -> None:
+        """Start from an empty memory; single-head class-incremental streams may restrict FROMP's columns."""
+        super().setup(model, stream, train)
+        self.regularizer.reset()
+        self.regularizer.class_incremental = stream.scenario == "class"
+
+    def _replay_nll(self, model: nn.Module) -> Tensor | None:
+        """(1/k) Σ_j ℓ(f_θ(x_j), y_j) over k memorable points (all of them when replay_batch_size is None)."""
+        entries = list(self.regularizer.memory)
+        total = sum(len(e) for e in entries)
+        if total == 0:
+            return None
+        k = self.params.replay_batch_size
+        if k is None or k >= total:
+            picks = [torch.arange(len(e)) for e in entries]
+        else:
+            chosen = torch.randperm(total, generator=self.generator)[:k]
+            starts = torch.tensor([0] + [len(e) for e in entries]).cumsum(0)
+            picks = [chosen[(chosen >= starts[i]) & (chosen < starts[i + 1])] - starts[i] for i in range(len(entries))]
+        by_head: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
+        for e, idx in zip(entries, picks):
+            if idx.numel():
+                xs, ys = by_head.setdefault(e.head, ([], []))
+                xs.append(e.x[idx.to(e.x.device)])
+                ys.append(e.y[idx.to(e.y.device)])
+        n = sum(int(p.numel()) for p in picks)
+        out = None
+        for head, (xs, ys) in sorted(by_head.items()):
+            x, y = torch.cat(xs), torch.cat(ys)
+            term = mean_nll(model(x, head=head), y, self.likelihood, self.sigma) * (y.shape[0] / n)
+            out = term if out is None else out + term
+        return out
+
+    def loss(self, model: nn.Module, batch: Batch, task) -> Tensor:
+        """The minibatch's mean NLL + γ · the replayed points' mean NLL + FROMP's penalty (module docstring)."""
+        loss = super().loss(model, batch, task)
+        if self.params.replay_weight > 0:
+            replay = self._replay_nll(model)
+            if replay is not None:
+                loss = loss + self.params.replay_weight * replay
+        return loss
+
+    def memory_stats(self) -> dict[str, Any]:
+        return memory_store_stats(self.regularizer) | {"memory_size": self.params.memory_size}
