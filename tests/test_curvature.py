@@ -669,6 +669,28 @@ def test_gram_factor_keeps_the_gram_with_k_minus_one_softmax_cotangents(k):
     assert gram_factor(thin) is thin
 
 
+def test_gram_factor_of_a_saturated_softmax_with_subnormal_entries():
+    """A 10-way softmax saturated at one class (p₁ ≈ e⁻²⁶, p₂..₉ ≈ e⁻⁹⁹: Gram entries ~1e-11 and subnormal ~1e-43
+    in float32) — seen in a BLR run on class-incremental split MNIST, where LAPACK's float32 eigh did not
+    converge and the run stopped. gram_factor must still return factors with the same Gram (to float32 rounding
+    of the largest entry) in float32."""
+    from continual_blr.curvature.jacobians import gram_factor
+    from continual_blr.curvature.likelihoods import hessian_sqrt
+
+    g = torch.Generator().manual_seed(0)
+    f = torch.zeros(64, 10)
+    f[:, 1] = -26 + torch.randn(64, generator=g)
+    f[:, 2:] = -99 + 3 * torch.randn(64, 8, generator=g)
+    v = hessian_sqrt(f, "classification")
+    m = v.transpose(1, 2) @ v
+    with pytest.raises(torch.linalg.LinAlgError):  # the failure this guards against (LAPACK, float32)
+        torch.linalg.eigh(m)
+    w = gram_factor(v)
+    assert w.dtype == torch.float32 and w.shape[1] < 10
+    scale = m.abs().amax()
+    assert float((w.transpose(1, 2) @ w - m).abs().max()) <= 1e-5 * float(scale)
+
+
 @pytest.mark.parametrize("n_out", [2, 10])
 def test_gram_only_passes_give_the_same_diag_kron_and_full_ggn(n_out):
     from contextlib import closing

@@ -73,13 +73,25 @@ def gram_factor(v: Tensor, rtol: float | None = None) -> Tensor:
         rtol: relative eigenvalue threshold.
 
     Returns:
-        [B, C', K] with C' ≤ min(C, K) (at least 1).
+        [B, C', K] with C' ≤ min(C, K) (at least 1); ``v`` itself when the eigendecomposition fails to
+        converge in float32 and in float64.
     """
     b, c, k = v.shape
     if k > c:  # rank ≤ C already
         return v
     m = v.transpose(1, 2) @ v  # [B, K, K] = Σ_c v_c v_cᵀ
-    lam, q = torch.linalg.eigh(m)  # ascending
+    # Each M_b is divided by its largest entry first: a saturated softmax gives Grams of ~1e-11 with subnormal
+    # entries (~1e-43), on which LAPACK's float32 eigh does not converge. Scaling changes λ_b by the same
+    # factor and leaves Q_b as it is.
+    scale = m.abs().amax(dim=(1, 2), keepdim=True).clamp_min(torch.finfo(m.dtype).tiny)
+    try:
+        lam, q = torch.linalg.eigh(m / scale)  # ascending
+    except torch.linalg.LinAlgError:  # still no convergence: float64; failing that, the cotangents themselves
+        try:
+            lam, q = (t.to(v.dtype) for t in torch.linalg.eigh((m / scale).to(torch.float64)))
+        except torch.linalg.LinAlgError:
+            return v  # the same Gram exactly; only the saving of passes is lost
+    lam = lam * scale.squeeze(2)
     tol = (k * torch.finfo(v.dtype).eps if rtol is None else rtol) * lam[:, -1:].clamp_min(0)
     keep = max(1, int((lam > tol).sum(1).max()))
     lam, q = lam[:, -keep:].clamp_min(0), q[:, :, -keep:]
