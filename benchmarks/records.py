@@ -29,6 +29,17 @@ ROOT = Path(__file__).resolve().parent.parent
 RECORDS_DIR = ROOT / "benchmarks" / "records"
 
 
+_PROCESS_HASH: dict[Path, str] = {}
+
+
+def process_library_hash(root: Path = ROOT) -> str:
+    """:func:`library_hash` as it was at this process's first call — the code a long-running command imported, even
+    if the files change while it runs (``provenance`` uses this, so a record names the code that made it)."""
+    if root not in _PROCESS_HASH:
+        _PROCESS_HASH[root] = library_hash(root)
+    return _PROCESS_HASH[root]
+
+
 def library_hash(root: Path = ROOT) -> str:
     """SHA-256 over the sorted relative paths and bytes of ``continual_blr/**/*.py`` (first 16 hex digits)."""
     h = hashlib.sha256()
@@ -75,7 +86,7 @@ def provenance(device: str = "cpu") -> dict[str, Any]:
     if str(device).startswith("cuda") and torch.cuda.is_available():
         dev = torch.cuda.get_device_name(torch.device(device))
     return {"commit": _git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status),
-            "library_hash": library_hash(),
+            "library_hash": process_library_hash(),
             "versions": {"python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__,
                          "scikit-learn": sk},
             "device": dev}

@@ -60,7 +60,7 @@ REFERENCES: dict[tuple[str, str, str], tuple[float, str]] = {
     ("split_mnist", "class", "fromp-classes-all"): (33.4, "FROMP code run by others, class-incremental"),
 }
 # Canonical row order of the tables; methods not listed follow in alphabetical order.
-METHOD_ORDER = ["fromp", "frorp", "fromp-l2", "fromp-full", "fromp-kron", "fromp-classes-all", "ewc", "laplace", "vcl", "blr", "ivon",
+METHOD_ORDER = ["fromp-replay", "fromp-replay_m500", "derpp", "derpp_m500", "er", "er_m500", "fromp", "frorp", "fromp-l2", "fromp-full", "fromp-kron", "fromp-classes-all", "ewc", "laplace", "vcl", "blr", "ivon",
                 "l2", "none", "joint"]
 NOTES_MARKER = "<!-- notes -->"
 
@@ -151,6 +151,7 @@ def run_one(benchmark: str, method: str, seed: int, args: argparse.Namespace, ru
 
     import torch
 
+    run_records.process_library_hash()  # the library this process imports now (see records.process_library_hash)
     from continual_blr.methods import build_method
     from continual_blr.runner import run_config
 

@@ -689,6 +689,17 @@ def test_gram_factor_of_a_saturated_softmax_with_subnormal_entries():
     assert w.dtype == torch.float32 and w.shape[1] < 10
     scale = m.abs().amax()
     assert float((w.transpose(1, 2) @ w - m).abs().max()) <= 1e-5 * float(scale)
+    # harder: logits spread over 200 (entries that stay subnormal even relative to each Gram's largest one)
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        f = -200 * torch.rand(512, 10, generator=g)
+        f[:, 0] = 0
+        v = hessian_sqrt(f, "classification")
+        m = v.transpose(1, 2) @ v
+        w = gram_factor(v)
+        assert bool(torch.isfinite(w).all()), seed
+        err = (w.transpose(1, 2) @ w - m).abs().amax((1, 2)) / m.abs().amax((1, 2)).clamp_min(1e-38)
+        assert float(err.max()) <= 1e-5, (seed, float(err.max()))
 
 
 @pytest.mark.parametrize("n_out", [2, 10])

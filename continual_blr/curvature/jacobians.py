@@ -83,14 +83,21 @@ def gram_factor(v: Tensor, rtol: float | None = None) -> Tensor:
     # Each M_b is divided by its largest entry first: a saturated softmax gives Grams of ~1e-11 with subnormal
     # entries (~1e-43), on which LAPACK's float32 eigh does not converge. Scaling changes λ_b by the same
     # factor and leaves Q_b as it is.
-    scale = m.abs().amax(dim=(1, 2), keepdim=True).clamp_min(torch.finfo(m.dtype).tiny)
+    # Entries still subnormal after the scaling (below finfo.tiny ≈ 1e-38 of the largest) are set to zero: far
+    # below float32's resolution of that entry, they only stall LAPACK.
+    tiny = torch.finfo(m.dtype).tiny
+    scale = m.abs().amax(dim=(1, 2), keepdim=True).clamp_min(tiny)
+    ms = m / scale
+    ms = ms.masked_fill(ms.abs() < tiny, 0.0)
     try:
-        lam, q = torch.linalg.eigh(m / scale)  # ascending
+        lam, q = torch.linalg.eigh(ms)  # ascending
     except torch.linalg.LinAlgError:  # still no convergence: float64; failing that, the cotangents themselves
         try:
-            lam, q = (t.to(v.dtype) for t in torch.linalg.eigh((m / scale).to(torch.float64)))
+            lam, q = (t.to(v.dtype) for t in torch.linalg.eigh(ms.to(torch.float64)))
         except torch.linalg.LinAlgError:
             return v  # the same Gram exactly; only the saving of passes is lost
+    if not (bool(torch.isfinite(lam).all()) and bool(torch.isfinite(q).all())):
+        return v
     lam = lam * scale.squeeze(2)
     tol = (k * torch.finfo(v.dtype).eps if rtol is None else rtol) * lam[:, -1:].clamp_min(0)
     keep = max(1, int((lam > tol).sum(1).max()))
