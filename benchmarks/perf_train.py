@@ -25,10 +25,8 @@ what the step costs this process.
 from __future__ import annotations
 
 import argparse
-import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +41,9 @@ from continual_blr.mixed_precision import to_channels_last
 from continual_blr.models import build_model
 from continual_blr.types import Batch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts (benchmarks/ is not a package)
+from records import cpu_model  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = 256
 SHAPE = (3, 32, 32)
@@ -55,24 +56,6 @@ NO_BF16_NOTE = ("This CPU reports neither `avx512_bf16` nor `amx_bf16` (only AVX
                 "kernels, so the bf16 settings cannot reach the target on it. The target needs a CPU with AMX or "
                 "AVX512-BF16, or a GPU. On this machine fp32 + channels_last is the fastest setting "
                 "(`train.channels_last: true` / `--channels-last` with `precision: fp32`).")
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``lscpu``, else /proc/cpuinfo, else ``platform.processor()``)."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def cpu_flags() -> str:

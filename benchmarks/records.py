@@ -60,7 +60,15 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (``lscpu``, else /proc/cpuinfo, else ``platform.processor()``)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -82,7 +90,7 @@ def provenance(device: str = "cpu") -> dict[str, Any]:
     except ImportError:  # pragma: no cover - an extra
         sk = None
     status = _git("status", "--porcelain", "--untracked-files=no", "--", "continual_blr", "configs", "benchmarks")
-    dev = _cpu_model()
+    dev = cpu_model()
     if str(device).startswith("cuda") and torch.cuda.is_available():
         dev = torch.cuda.get_device_name(torch.device(device))
     return {"commit": _git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status),
