@@ -56,6 +56,25 @@ def output_jacobian_cotangents(output_fn: Callable[[Tensor], Tensor] | None) -> 
     return rows
 
 
+def _eigh_rescued(m: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """``eigh`` of Grams on which LAPACK's float32 eigh did not converge: a saturated softmax gives Grams of ~1e-11
+    with subnormal entries (~1e-43). Each M_b is divided by its largest entry (λ_b scales by the same factor, Q_b
+    is unchanged), entries still subnormal after that (below ``finfo.tiny`` of the largest: far below float32's
+    resolution of it) are set to zero, and float64 is tried if float32 still fails. ``(None, None)`` if both fail.
+    Only called after the plain eigh failed, so Grams it handles well give bit-for-bit what they gave before."""
+    tiny = torch.finfo(m.dtype).tiny
+    scale = m.abs().amax(dim=(1, 2), keepdim=True).clamp_min(tiny)
+    ms = m / scale
+    ms = ms.masked_fill(ms.abs() < tiny, 0.0)
+    for dtype in (m.dtype, torch.float64):
+        try:
+            lam, q = torch.linalg.eigh(ms.to(dtype))
+        except torch.linalg.LinAlgError:
+            continue
+        return lam.to(m.dtype) * scale.squeeze(2), q.to(m.dtype)
+    return None, None
+
+
 def gram_factor(v: Tensor, rtol: float | None = None) -> Tensor:
     """Fewest cotangents with the same Gram matrix: W [B, C', K] with Σ_c w_c w_cᵀ = Σ_c v_c v_cᵀ per example.
 
@@ -80,25 +99,14 @@ def gram_factor(v: Tensor, rtol: float | None = None) -> Tensor:
     if k > c:  # rank ≤ C already
         return v
     m = v.transpose(1, 2) @ v  # [B, K, K] = Σ_c v_c v_cᵀ
-    # Each M_b is divided by its largest entry first: a saturated softmax gives Grams of ~1e-11 with subnormal
-    # entries (~1e-43), on which LAPACK's float32 eigh does not converge. Scaling changes λ_b by the same
-    # factor and leaves Q_b as it is.
-    # Entries still subnormal after the scaling (below finfo.tiny ≈ 1e-38 of the largest) are set to zero: far
-    # below float32's resolution of that entry, they only stall LAPACK.
-    tiny = torch.finfo(m.dtype).tiny
-    scale = m.abs().amax(dim=(1, 2), keepdim=True).clamp_min(tiny)
-    ms = m / scale
-    ms = ms.masked_fill(ms.abs() < tiny, 0.0)
     try:
-        lam, q = torch.linalg.eigh(ms)  # ascending
-    except torch.linalg.LinAlgError:  # still no convergence: float64; failing that, the cotangents themselves
-        try:
-            lam, q = (t.to(v.dtype) for t in torch.linalg.eigh(ms.to(torch.float64)))
-        except torch.linalg.LinAlgError:
+        lam, q = torch.linalg.eigh(m)  # ascending
+    except torch.linalg.LinAlgError:
+        lam, q = _eigh_rescued(m)
+        if lam is None:
             return v  # the same Gram exactly; only the saving of passes is lost
     if not (bool(torch.isfinite(lam).all()) and bool(torch.isfinite(q).all())):
         return v
-    lam = lam * scale.squeeze(2)
     tol = (k * torch.finfo(v.dtype).eps if rtol is None else rtol) * lam[:, -1:].clamp_min(0)
     keep = max(1, int((lam > tol).sum(1).max()))
     lam, q = lam[:, -keep:].clamp_min(0), q[:, :, -keep:]
