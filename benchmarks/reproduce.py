@@ -72,12 +72,6 @@ HIGHER_ANCHORS: dict[tuple[str, str], tuple[float, str]] = {
 }
 
 
-def METHOD_HAS_PARAMS(name: str) -> bool:  # noqa: N802 - reads as a predicate on the registry
-    from continual_blr.methods import available_methods
-
-    return available_methods().get(name, (None, None))[1] is not None
-
-
 def _config_path(benchmark: str, method: str, args: argparse.Namespace) -> Path:
     """``configs/<benchmark>/<scenario>/<method>.yaml`` when the command names a scenario and it exists, else
     ``configs/<benchmark>/<method>.yaml``."""
@@ -156,7 +150,8 @@ def run_one(benchmark: str, method: str, seed: int, args: argparse.Namespace, ru
     from continual_blr.runner import run_config
 
     mc = cfg.methods[0]
-    resolved = build_method(mc.name, mc.params).params if METHOD_HAS_PARAMS(mc.name) else None
+    resolved = getattr(build_method(mc.name, mc.params), "params", None)  # every default filled in
+    config_file = _config_path(benchmark, method, args)
     origin = run_records.provenance(cfg.device)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     t0, c0 = time.perf_counter(), time.process_time()
@@ -166,9 +161,10 @@ def run_one(benchmark: str, method: str, seed: int, args: argparse.Namespace, ru
                                  "validation": validation,
                                  "method_name": method, "command": command, "load_at_start": load,
                                  "threads": torch.get_num_threads(),
-                                 "resolved_params": None if resolved is None else dataclasses.asdict(resolved),
-                                 "config_file": str(_config_path(benchmark, method, args).relative_to(ROOT))
-                                 if _config_path(benchmark, method, args).is_relative_to(ROOT) else None} | origin
+                                 "resolved_params": dataclasses.asdict(resolved)
+                                 if dataclasses.is_dataclass(resolved) else None,
+                                 "config_file": str(config_file.relative_to(ROOT))
+                                 if config_file.is_relative_to(ROOT) else None} | origin
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=2))

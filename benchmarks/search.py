@@ -101,6 +101,13 @@ def parse_grid(specs: list[str], method: str, base_params: dict[str, Any]) -> di
     return grid
 
 
+def split_point(point: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A grid point as (the method's params, its train overrides): ``train.<field>`` keys go to the second,
+    without the prefix."""
+    params = {k: v for k, v in point.items() if not k.startswith("train.")}
+    return params, {k.removeprefix("train."): v for k, v in point.items() if k.startswith("train.")}
+
+
 def grid_points(grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
     """The cartesian product of the grid, the first key varying slowest."""
     keys = list(grid)
@@ -165,8 +172,8 @@ def run_point(base, params: dict[str, Any], label: str, seed: int, validation: f
 
     cfg = copy.deepcopy(base)
     mc = cfg.methods[0]
-    train = dict(mc.train) | {k.removeprefix("train."): v for k, v in params.items() if k.startswith("train.")}
-    cfg.methods = [MethodConfig(mc.name, {k: v for k, v in params.items() if not k.startswith("train.")}, train)]
+    method_params, train = split_point(params)
+    cfg.methods = [MethodConfig(mc.name, method_params, dict(mc.train) | train)]
     cfg.seed = seed
     cfg.stream.validation = validation
     key = run_key(cfg)
@@ -248,8 +255,7 @@ def write_report(out: Path, *, benchmark: str, config: str, base, grid: dict[str
         best = done[choose([[r["avg_acc"] for r in records[i]] for i in done])]
     for i, (point, label) in enumerate(zip(points, labels)):
         recs = records[i]
-        lam = strength.format_lam(strength.lam_equivalent(
-            mc.name, dict(mc.params) | {k: v for k, v in point.items() if not k.startswith("train.")}))
+        lam = strength.format_lam(strength.lam_equivalent(mc.name, dict(mc.params) | split_point(point)[0]))
         if not recs:
             lines.append(f"| {label} | {lam} | (not run yet) | | | |")
             continue

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import signal
 import sys
 from pathlib import Path
@@ -156,7 +155,9 @@ def _cmd_methods(args: argparse.Namespace) -> int:
     if params_cls is None:
         print("  (no parameters)")
         return 0
-    field_docs = _attribute_docs(params_cls.__doc__ or "")
+    field_docs: dict[str, str] = {}
+    for klass in reversed(params_cls.__mro__):  # inherited fields keep their base class's description
+        field_docs |= _attribute_docs(klass.__doc__ or "") if dataclasses.is_dataclass(klass) else {}
     hints = typing.get_type_hints(params_cls)
     print(f"parameters ({params_cls.__name__}; give them under params: in a config):")
     for f in dataclasses.fields(params_cls):
@@ -195,7 +196,7 @@ def _attribute_docs(doc: str) -> dict[str, str]:
 
 def _build_config(args: argparse.Namespace):
     """The RunConfig of ``args`` (config file + flags), or a string error for :func:`_fail`."""
-    from .config import MethodConfig, RunConfig, check_device, check_seed, from_dict
+    from .config import MethodConfig, RunConfig, check_seed, from_dict
     from .methods import METHODS
 
     data = _read_yaml(args.config) if args.config else {}

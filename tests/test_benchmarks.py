@@ -281,6 +281,21 @@ def test_search_scores_on_validation_chooses_the_best_mean_and_resumes(tmp_path,
         search.main(_search_args(tmp_path, "--grid", "lam=0", "--seeds", "0", "--validation", "0.5"))
 
 
+def test_search_grid_over_a_train_setting(tmp_path):
+    """``train.epochs=1,3`` varies the method's train budget, not its params: each run records the epochs it was
+    trained for and the method's params without the key; an unknown train field is refused."""
+    search = _load_script("search")
+    _tiny_configs(tmp_path)
+    assert search.main(_search_args(tmp_path, "--grid", "train.epochs=1,3", "--seeds", "0")) == 0
+    runs = tmp_path / "runs" / "tiny" / "ewc" / "task" / "full_validation0.1"
+    for epochs in (1, 3):
+        rec = json.loads((runs / f"train.epochs={epochs}_seed0.json").read_text())
+        assert rec["config"]["train_used"]["epochs"] == epochs
+        assert rec["config"]["method"]["params"] == {"lam": 1.0}
+    with pytest.raises(SystemExit, match="no param 'train.epoch'"):
+        search.main(_search_args(tmp_path, "--grid", "train.epoch=1"))
+
+
 def test_search_rejects_bad_grids_and_test_scoring(tmp_path):
     search = _load_script("search")
     _tiny_configs(tmp_path)

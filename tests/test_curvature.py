@@ -669,6 +669,23 @@ def test_gram_factor_keeps_the_gram_with_k_minus_one_softmax_cotangents(k):
     assert gram_factor(thin) is thin
 
 
+def test_gram_factor_of_well_behaved_grams_is_the_plain_eigendecomposition_bit_for_bit():
+    """The rescue of failing Grams (rescaling, flushing) applies only after a plain eigh fails: on Grams where eigh
+    converges the factors are exactly diag(√λ) Qᵀ from ``torch.linalg.eigh`` of the Gram itself (a rescaled
+    decomposition differs in the last bits and in the signs of eigenvectors, and changes sampled curvatures)."""
+    from continual_blr.curvature.jacobians import gram_factor
+    from continual_blr.curvature.likelihoods import hessian_sqrt
+
+    f = 3 * torch.randn(64, 10, generator=torch.Generator().manual_seed(1))
+    v = hessian_sqrt(f, "classification")
+    m = v.transpose(1, 2) @ v
+    lam, q = torch.linalg.eigh(m)
+    w = gram_factor(v)
+    keep = w.shape[1]
+    want = (q[:, :, -keep:] * lam[:, -keep:].clamp_min(0).sqrt().unsqueeze(1)).transpose(1, 2)
+    assert torch.equal(w, want)
+
+
 def test_gram_factor_of_a_saturated_softmax_with_subnormal_entries():
     """A 10-way softmax saturated at one class (p₁ ≈ e⁻²⁶, p₂..₉ ≈ e⁻⁹⁹: Gram entries ~1e-11 and subnormal ~1e-43
     in float32) — seen in a BLR run on class-incremental split MNIST, where LAPACK's float32 eigh did not

@@ -96,3 +96,15 @@ def test_methods_command_lists_every_method_and_a_methods_parameters(capsys):
     assert main(["methods", "ewc"]) == 0
     out = capsys.readouterr().out
     assert "parameters (EWCParams" in out and "lam:" in out
+
+
+def test_methods_command_describes_inherited_parameters(capsys):
+    """A params dataclass that inherits fields (FROMPReplayParams from FunctionalParams, FRORPParams from
+    FROMPParams) shows each inherited field with its base class's description, not an empty one."""
+    from continual_blr.cli import main
+
+    for name in ("fromp-replay", "frorp"):
+        assert main(["methods", name]) == 0
+        lines = {line.split(":")[0].strip(): line for line in capsys.readouterr().out.splitlines()[2:]}
+        assert "prior_precision" in lines and "δ in Σ" in lines["prior_precision"], (name, lines)
+        assert "τ, weight" in lines["tau"], name

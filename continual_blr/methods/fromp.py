@@ -30,7 +30,7 @@ from ..regularizers.functional import CLASS_CHOICES, KERNELS, FunctionalRegulari
 from .base import Method, TrainConfig
 
 __all__ = ["FROMPParams", "FRORPParams", "FROMPL2Params", "FROMPFullParams", "FROMPKronParams", "FROMPMethod",
-           "memory_store_stats", "check_functional_fields"]
+           "memory_store_stats", "FunctionalParams"]
 
 
 def memory_store_stats(reg: FunctionalRegularizer) -> dict[str, Any]:
@@ -44,32 +44,12 @@ def memory_store_stats(reg: FunctionalRegularizer) -> dict[str, Any]:
             "selection": reg.selection}
 
 
-def check_functional_fields(p: Any) -> None:
-    """The checks of the fields every FROMP-type params dataclass shares (kernel, selection, classes, τ, δ, ε,
-    chunk_size); one-line ``ValueError`` naming the field and what is allowed."""
-    if p.kernel not in KERNELS:
-        raise ValueError(f"params.kernel: got {p.kernel!r}; allowed: {', '.join(map(repr, KERNELS))}")
-    if p.selection not in SELECTIONS:
-        raise ValueError(f"params.selection: got {p.selection!r}; allowed: {', '.join(map(repr, SELECTIONS))}")
-    if p.classes not in CLASS_CHOICES:
-        raise ValueError(f"params.classes: got {p.classes!r}; allowed: {', '.join(map(repr, CLASS_CHOICES))}")
-    if not p.tau >= 0:
-        raise ValueError(f"params.tau: must be >= 0, got {p.tau}")
-    if not p.prior_precision > 0:
-        raise ValueError(f"params.prior_precision: must be > 0, got {p.prior_precision}")
-    if not p.jitter >= 0:
-        raise ValueError(f"params.jitter: must be >= 0, got {p.jitter}")
-    if p.chunk_size is not None and p.chunk_size < 1:
-        raise ValueError(f"params.chunk_size: must be >= 1 or null, got {p.chunk_size}")
-
-
 @dataclass
-class FROMPParams:
-    """Parameters of FROMP (defaults: the reference code's split-MNIST protocol).
+class FunctionalParams:
+    """The parameters every FROMP-type method shares (FROMP and its ablations, FROMP with replay).
 
     Attributes:
         tau: τ, weight of (τ/2) Σ Δpᵀ K⁻¹ Δp relative to the mean cross-entropy (0: no regulariser).
-        n_points: memorable points per task (split evenly over its classes).
         kernel: ``"classwise"`` | ``"full"`` | ``"kron"`` | ``"identity"`` (FROMP-L2).
         selection: ``"lambda"`` (top tr Λ) | ``"random"`` (FRORP) | ``"lowest"``.
         prior_precision: δ in Σ = diag(1 / (F + δ)).
@@ -77,14 +57,14 @@ class FROMPParams:
         classes: single-head class-incremental streams only — compare only a past ``"task"``'s own
             classes at its points (default), or ``"all"`` the head's outputs. With ``"all"`` the
             kernels of classes the task never saw are ≈ εI (p_c ≈ 0 there, so J_{p_c} ≈ 0), K⁻¹ ≈ 1/ε
-            forbids any new class from gaining probability at old points, and later tasks are not
-            learned (split digits, class scenario: 32 % vs 82 %, benchmarks/results/split_digits.md). On
-            real split MNIST both collapse and the order flips (35.9 % vs 28.1 %, split_mnist_class.md).
+            forbids any new class from gaining probability at old points, and without replay later tasks
+            are not learned (split digits, class scenario: 32 % vs 82 %, benchmarks/results/split_digits.md).
+            On real split MNIST both collapse and the order flips (33.2 % vs 28.5 %, split_mnist_class.md);
+            with replay of the points' labels ``"all"`` is the better choice there (docs/replay.md).
         chunk_size: examples per pass of the curvature engine (None: its default).
     """
 
     tau: float = 10.0
-    n_points: int = 40
     kernel: str = "classwise"
     selection: str = "lambda"
     prior_precision: float = 1e-3
@@ -93,7 +73,36 @@ class FROMPParams:
     chunk_size: int | None = None
 
     def __post_init__(self) -> None:
-        check_functional_fields(self)
+        """One-line ``ValueError`` naming the field and what is allowed."""
+        if self.kernel not in KERNELS:
+            raise ValueError(f"params.kernel: got {self.kernel!r}; allowed: {', '.join(map(repr, KERNELS))}")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"params.selection: got {self.selection!r}; allowed: {', '.join(map(repr, SELECTIONS))}")
+        if self.classes not in CLASS_CHOICES:
+            raise ValueError(f"params.classes: got {self.classes!r}; allowed: {', '.join(map(repr, CLASS_CHOICES))}")
+        if not self.tau >= 0:
+            raise ValueError(f"params.tau: must be >= 0, got {self.tau}")
+        if not self.prior_precision > 0:
+            raise ValueError(f"params.prior_precision: must be > 0, got {self.prior_precision}")
+        if not self.jitter >= 0:
+            raise ValueError(f"params.jitter: must be >= 0, got {self.jitter}")
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ValueError(f"params.chunk_size: must be >= 1 or null, got {self.chunk_size}")
+
+
+@dataclass
+class FROMPParams(FunctionalParams):
+    """Parameters of FROMP (defaults: the reference code's split-MNIST protocol); the shared ones in
+    :class:`FunctionalParams`.
+
+    Attributes:
+        n_points: memorable points per task (split evenly over its classes).
+    """
+
+    n_points: int = 40
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.n_points < 1:
             raise ValueError(f"params.n_points: must be >= 1, got {self.n_points}")
 

@@ -30,42 +30,30 @@ from torch import Tensor, nn
 from ..data.stream import TaskStream
 from ..regularizers.functional import FunctionalRegularizer
 from ..types import Batch
-from .base import Method, TrainConfig, mean_nll
-from .fromp import check_functional_fields, memory_store_stats
+from .base import Method, TrainConfig
+from .fromp import FunctionalParams, memory_store_stats
+from .replay import replay_nll
 
 __all__ = ["FROMPReplayParams", "FROMPReplayMethod"]
 
 
 @dataclass
-class FROMPReplayParams:
-    """Parameters of FROMP with replay.
+class FROMPReplayParams(FunctionalParams):
+    """Parameters of FROMP with replay; τ, the kernel, the selection and the rest as FROMP's
+    (:class:`~continual_blr.methods.fromp.FunctionalParams`).
 
     Attributes:
         memory_size: M, memorable points in all (shared over the (task, class) groups seen).
-        tau: τ, the weight of FROMP's functional penalty (0: replay alone, from a memorability-chosen memory).
         replay_weight: γ, the weight of the replayed points' mean NLL (0: FROMP with a total budget).
         replay_batch_size: k, points replayed per step (None: every stored point at every step).
-        kernel: ``"classwise"`` | ``"full"`` | ``"kron"`` | ``"identity"`` (as FROMP).
-        selection: ``"lambda"`` (top tr Λ) | ``"random"`` | ``"lowest"``.
-        prior_precision: δ in Σ = diag(1 / (F + δ)).
-        jitter: ε added to each kernel's diagonal.
-        classes: single-head streams — compare a past ``"task"``'s own classes, or ``"all"`` outputs.
-        chunk_size: examples per pass of the curvature engine (None: its default).
     """
 
     memory_size: int = 200
-    tau: float = 10.0
     replay_weight: float = 1.0
     replay_batch_size: int | None = None
-    kernel: str = "classwise"
-    selection: str = "lambda"
-    prior_precision: float = 1e-3
-    jitter: float = 1e-6
-    classes: str = "task"
-    chunk_size: int | None = None
 
     def __post_init__(self) -> None:
-        check_functional_fields(self)
+        super().__post_init__()
         if self.memory_size < 1:
             raise ValueError(f"params.memory_size: must be >= 1, got {self.memory_size}")
         if not self.replay_weight >= 0:
@@ -113,13 +101,8 @@ class FROMPReplayMethod(Method):
                 xs, ys = by_head.setdefault(e.head, ([], []))
                 xs.append(e.x[idx.to(e.x.device)])
                 ys.append(e.y[idx.to(e.y.device)])
-        n = sum(int(p.numel()) for p in picks)
-        out = None
-        for head, (xs, ys) in sorted(by_head.items()):
-            x, y = torch.cat(xs), torch.cat(ys)
-            term = mean_nll(model(x, head=head), y, self.likelihood, self.sigma) * (y.shape[0] / n)
-            out = term if out is None else out + term
-        return out
+        groups = [(torch.cat(xs), torch.cat(ys), head) for head, (xs, ys) in sorted(by_head.items())]
+        return replay_nll(model, groups, self.likelihood, self.sigma)
 
     def loss(self, model: nn.Module, batch: Batch, task) -> Tensor:
         """The minibatch's mean NLL + γ · the replayed points' mean NLL + FROMP's penalty (module docstring)."""

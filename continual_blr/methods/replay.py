@@ -45,7 +45,17 @@ from ..replay_buffer import BUFFER_SELECTIONS, ReplayBuffer
 from ..types import Batch
 from .base import Method, TrainConfig, mean_nll
 
-__all__ = ["ERParams", "DERPPParams", "ERMethod", "DERPPMethod"]
+__all__ = ["ERParams", "DERPPParams", "ERMethod", "DERPPMethod", "replay_nll"]
+
+
+def replay_nll(model: nn.Module, groups: list[tuple[Tensor, Tensor, int]], likelihood: str = "classification",
+               sigma: float = 1.0) -> Tensor | None:
+    """(1/n) Σ_j ℓ(f_θ(x_j), y_j) over the stored examples of ``groups`` — ``(x, y, head)`` triples, one forward per
+    group — n examples in all; None when there are none."""
+    n = sum(int(y.shape[0]) for _, y, _ in groups)
+    if n == 0:
+        return None
+    return sum(mean_nll(model(x, head=head), y, likelihood, sigma) * (y.shape[0] / n) for x, y, head in groups)
 
 
 @dataclass
@@ -121,12 +131,7 @@ class ERMethod(Method):
 
     def _replay_nll(self, model: nn.Module, k: int) -> Tensor | None:
         """(1/k) Σ_j ℓ(f_θ(x_j), y_j) over k stored examples (None while the buffer is empty)."""
-        draws = self.buffer.sample(k)
-        if not draws:
-            return None
-        n = sum(int(d.y.shape[0]) for d in draws)
-        return sum(mean_nll(model(d.x, head=d.head), d.y, self.likelihood, self.sigma) * (d.y.shape[0] / n)
-                   for d in draws)
+        return replay_nll(model, [(d.x, d.y, d.head) for d in self.buffer.sample(k)], self.likelihood, self.sigma)
 
     def loss(self, model: nn.Module, batch: Batch, task: Task) -> Tensor:
         """The minibatch's mean NLL plus α times the replayed examples' mean NLL (module docstring)."""
