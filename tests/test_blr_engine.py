@@ -295,3 +295,58 @@ def test_curvature_every_is_diagonal_and_not_price():
                              curvature_every=2)
     with pytest.raises(ValueError, match="curvature_every: must be >= 1"):
         BayesianLearningRule(model, prior, n_data=10, curvature_every=0)
+
+
+@pytest.mark.parametrize("method,subset", [("blr", None), ("blr", 7), ("ivon", 7)])
+def test_ggn_carry_is_the_ggn_of_the_task_at_the_mean(gen, method, subset):
+    """``carry: ggn``: the next prior is N(m, S₀ + (ess·N/n) Σ_{i∈subset} diag(J_iᵀ Λ_i J_i) / T) at the
+    model's weights, with Λ_i = diag(p_i) − p_i p_iᵀ the softmax Hessian; brute force here in float64 with
+    ``jacrev`` per example, on the subset the method's generator draws (n = 7 of 20, or all). The head the
+    task did not use keeps its prior precision exactly."""
+    model = MLP(3, (4,), 3, n_heads=2).to(DT)
+    x = torch.randn(20, 3, generator=gen, dtype=DT)
+    y = torch.randint(0, 3, (20,), generator=gen)
+    task = Task(0, x, y, x, y, (0, 1, 2), head=1, name="t0")
+    stream = TaskStream("s", [task], "task", (3,), 3, 2)
+    ess, temp, delta = 3.0, 0.5, 2.0
+    params = {"carry": "ggn", "carry_examples": subset, "ess_factor": ess, "temperature": temp,
+              "prior_precision": delta}
+    if method == "blr":
+        params["curvature"] = "ggn"
+    m = build_method(method, params, seed=0)
+    m.setup(model, stream, TrainConfig())
+    m.make_optimizer(model, task, TrainConfig())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=DT))
+    idx = torch.arange(20) if subset is None else torch.randperm(20, generator=torch.Generator().manual_seed(0).set_state(m.generator.get_state()))[:subset]
+    m.on_task_end(model, task)
+    prior = m.optimizer.prior
+    names = list(prior.mean)
+    theta = {k: p.detach().clone() for k, p in model.named_parameters()}
+
+    def logits(th, xi):
+        return torch.func.functional_call(model, th, (xi[None],), {"head": 1})[0]
+
+    expected = {k: torch.zeros_like(v) for k, v in theta.items()}
+    for i in idx.tolist():
+        jac = torch.func.jacrev(logits)(theta, x[i])
+        p = torch.softmax(logits(theta, x[i]), -1)
+        lam = torch.diag(p) - torch.outer(p, p)
+        for k in names:
+            j = jac[k].reshape(3, -1)
+            expected[k] += torch.einsum("cp,cd,dp->p", j, lam, j).reshape(theta[k].shape)
+    scale = ess * 20 / len(idx) / temp
+    for k in names:
+        torch.testing.assert_close(prior.precision[k], delta + scale * expected[k], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(prior.mean[k], theta[k])
+    assert torch.equal(prior.precision["heads.0.weight"], torch.full_like(prior.precision["heads.0.weight"], delta))
+
+
+def test_ggn_carry_is_diagonal_only():
+    with pytest.raises(ValueError, match="params.carry: 'ggn' needs structure 'diag'"):
+        build_method("blr", {"structure": "kron", "carry": "ggn"})
+    with pytest.raises(ValueError, match="params.carry: got 'mean'; allowed: 'average', 'ggn'"):
+        build_method("blr", {"carry": "mean"})
+    with pytest.raises(ValueError, match="params.carry_examples"):
+        build_method("ivon", {"carry": "ggn", "carry_examples": 0})

@@ -15,13 +15,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..curvature import curvature as curvature_of
 from ..data.stream import Task, TaskStream
 from ..optim.blr import CURVATURES, BayesianLearningRule
 from ..posteriors import DiagPosterior, GaussianPosterior, KronPosterior, kron_layers, load_posterior
 from ..types import Structure, parse_enum
 from .base import Method, TrainConfig
 
-__all__ = ["BLRParams", "BLRMethod"]
+__all__ = ["BLRParams", "BLRMethod", "CARRIES"]
+
+CARRIES = ("average", "ggn")
 
 
 @dataclass
@@ -64,6 +67,14 @@ class BLRParams:
         fused_step: diagonal structure: the update after the estimates as one ``torch.compile``-d kernel
             (``BayesianLearningRule(fused=True)``: the same algebra, fewer passes over memory; the first
             step compiles for seconds and needs a C++ compiler on CPU). Off by default.
+        carry: what becomes the next prior's data part at the end of a task: ``"average"`` (the optimiser's
+            carried D̄, the debiased average of the step's estimates ĥ) or ``"ggn"`` (the diagonal GGN of the
+            task's data at the posterior mean, D_t = (λ/n) Σ_{i∈subset} diag(J_iᵀ Λ_i J_i) with λ = ess_factor·N_t
+            (``carry_examples`` n of the task's examples, drawn without replacement; all if None): the
+            delta-method estimate of λ E_q[H] that a GGN-BLR's D̄ averages, with no sampling noise. With the
+            one-sample Price estimate, D̄'s noise, clamped at 0 and divided by T, becomes precision that no
+            data asked for; ``"ggn"`` replaces it by one pass over (a subset of) the data. Diagonal structure.
+        carry_examples: n, the examples of the ``"ggn"`` carry (None: all of the task's training data).
         curvature_every: k: estimate ĥ on every k-th step only (diagonal structure, not ``"price"``), D updated
             there at the rate 1 − (1 − ρ)ᵏ; the other steps cost a forward and backward
             (``BayesianLearningRule(curvature_every=k)``; the fixed point is unchanged).
@@ -86,9 +97,17 @@ class BLRParams:
     init_hess: float | None = None
     fused_step: bool = False
     curvature_every: int = 1
+    carry: str = "average"
+    carry_examples: int | None = None
 
     def __post_init__(self) -> None:
         s = parse_enum(Structure, self.structure, "params.structure")
+        if self.carry not in CARRIES:
+            raise ValueError(f"params.carry: got {self.carry!r}; allowed: {', '.join(map(repr, CARRIES))}")
+        if self.carry == "ggn" and s != Structure.DIAG:
+            raise ValueError("params.carry: 'ggn' needs structure 'diag'")
+        if self.carry_examples is not None and not (isinstance(self.carry_examples, int) and self.carry_examples >= 1):
+            raise ValueError(f"params.carry_examples: must be an integer >= 1 or null, got {self.carry_examples!r}")
         if self.curvature not in CURVATURES or self.curvature == "hessian":
             allowed = ", ".join(repr(c) for c in CURVATURES if c != "hessian")
             raise ValueError(f"params.curvature: got {self.curvature!r}; allowed: {allowed}")
@@ -157,7 +176,29 @@ class BLRMethod(Method):
         """The posterior becomes the next prior, its data part divided by T: S₀ ← S₀ + D / T, m₀ ← m."""
         super().on_task_end(model, task, optimizer)
         assert self.optimizer is not None
-        self.optimizer.set_prior(self.optimizer.posterior(temperature=self.params.temperature))
+        if self.params.carry == "ggn":
+            self.optimizer.set_prior(self.ggn_carry(model, task))
+        else:
+            self.optimizer.set_prior(self.optimizer.posterior(temperature=self.params.temperature))
+
+    def ggn_carry(self, model: nn.Module, task: Task) -> DiagPosterior:
+        """N(m, S₀ + D_t / T) with D_t = (λ/n) Σ_{i∈subset} diag(J_iᵀ Λ_i J_i) at the mean m, λ = ess_factor·N_t
+        (``params.carry``). The subset is drawn with the method's generator (the same on every rank); under
+        data parallel the engine shards it and sums over ranks."""
+        assert self.optimizer is not None
+        prior = self.optimizer.prior
+        assert isinstance(prior, DiagPosterior)
+        n = task.n_train
+        x, y = task.x_train, task.y_train
+        k = self.params.carry_examples
+        if k is not None and k < n:
+            idx = torch.randperm(n, generator=self.generator)[:k].to(x.device)
+            x, y = x[idx], y[idx]
+        names = list(self.optimizer.names)
+        c = curvature_of(model, x, y, kind="ggn", structure="diag", head=task.head, param_names=names)
+        scale = self.params.ess_factor * n / x.shape[0] / self.params.temperature
+        mean = {k: p.detach().clone() for k, p in model.named_parameters() if k in prior.mean}
+        return DiagPosterior(mean, {k: prior.precision[k] + scale * c[k] for k in prior.mean})  # type: ignore[index]
 
     def epoch_stats(self) -> dict[str, float]:
         """``clipped_fraction``: the share of coordinate-steps the clip bounded in the epoch (with a clip only).

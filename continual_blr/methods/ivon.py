@@ -55,6 +55,9 @@ class IVONParams:
         mc_samples: weight samples per step.
         predict_samples: MC samples at prediction (0: the mean network).
         fused_step: the update as one ``torch.compile``-d kernel (BLRParams.fused_step).
+        carry: the next prior's data part: ``"average"`` (the Price estimates' average D̄) or ``"ggn"`` (the
+            diagonal GGN of the task's data at the mean; ``BLRParams.carry``).
+        carry_examples: examples of the ``"ggn"`` carry (None: all of the task's).
     """
 
     lr: float = 0.03
@@ -69,6 +72,8 @@ class IVONParams:
     mc_samples: int = 1
     predict_samples: int = 0
     fused_step: bool = False
+    carry: str = "average"
+    carry_examples: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.beta2 < 1:
@@ -82,7 +87,7 @@ class IVONParams:
             rho=1.0 - self.beta2, beta1=self.beta1, mc_samples=self.mc_samples, ess_factor=self.ess_factor,
             predict_samples=self.predict_samples, temperature=self.temperature, clip_radius=self.clip_radius,
             curvature="price", precision_debias=self.debias, damping=0.0, init_hess=self.hess_init,
-            fused_step=self.fused_step,
+            fused_step=self.fused_step, carry=self.carry, carry_examples=self.carry_examples,
         )
 
 
