@@ -60,7 +60,7 @@ def _coerce(text: str, like: Any) -> Any:
         if low not in ("true", "false"):
             raise ValueError(f"not a bool: {text!r}")
         return low == "true"
-    if isinstance(like, int) and re.fullmatch(r"[+-]?\d+", low):
+    if (isinstance(like, int) or like is None) and re.fullmatch(r"[+-]?\d+", low):  # None: an optional int
         return int(low)
     try:
         return float(low)

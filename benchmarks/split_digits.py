@@ -1,6 +1,7 @@
 """Every continual-learning method on split digits, task and class scenarios: one table.
 
-Run (CPU, 1 torch thread; finished runs are stored under benchmarks/runs/split_digits/ and reused):
+Run (CPU, 1 torch thread; every finished run leaves a record under benchmarks/records/split_digits/, committed,
+reused while it is current):
 
     python benchmarks/split_digits.py                                       # 5 seeds, task + class, writes the table
     python benchmarks/split_digits.py --seeds 0 --methods none fromp ewc --scenarios task --no-write   # quick look
@@ -17,15 +18,19 @@ Every row runs through the one training loop (``runner.run_config``) with the *s
 budget: the ``model`` and ``train`` of ``configs/split_digits/none.yaml`` (MLP 64-100-100, 10 epochs
 per task, batch 32, Adam lr 1e-3 for the non-BLR optimisers, no gradient clipping). Only the scenario
 and the seed change: ``task`` (multi-head, one 2-way head per task) and ``class`` (single 10-way
-head). A finished (row, scenario, seed) is stored as JSON under
-``<runs-dir>/<scenario>/<label>_seed<seed>.json`` and reused while its method config (name + params)
-is unchanged. The table in ``benchmarks/results/split_digits.md`` gives the final average accuracy
-(mean ± sample std over seeds), the paired difference to "none" on the same seeds, forgetting, and
-the CPU time per run.
+head). A finished (row, scenario, seed) is a run record (``benchmarks/records.py``: result, cost, commit, library
+hash, versions, resolved params) at ``<records>/split_digits/<scenario>/table/<label>_seed<seed>.json``, reused
+while its method config (name + params) is unchanged and it ran on the current library; a record that is
+replaced moves to ``table/superseded/`` and stays listed under the table. The table in
+``benchmarks/results/split_digits.md`` is generated from the records alone (``table_from_records``; also by
+``python benchmarks/tables.py``, whose ``--check`` CI runs): the final average accuracy (mean ± sample std over
+seeds), the paired difference to "none" on the same seeds, forgetting, the CPU time per run, and per row the
+library versions and commits of its records.
 
 ``--validation F`` runs every row on the *validation stream* instead (``F`` of each task's training
-data held out and evaluated on, the test set unused; ``stream.validation``): its runs are stored under
-``<runs-dir>/validation<F>/`` and its table goes to ``benchmarks/results/split_digits_validation.md``
+data held out and evaluated on, the test set unused; ``stream.validation``): its records are stored under
+``<records>/split_digits/<scenario>/table_validation<F>/`` and its table goes to
+``benchmarks/results/split_digits_validation.md``
 and says "validation" in its title. Hyper-parameters are chosen there (``benchmarks/search.py``).
 """
 
@@ -49,6 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts (benchmarks/ is not a package)
+import records as run_records  # noqa: E402
 import strength  # noqa: E402
 CONFIGS = ROOT / "configs" / "split_digits"
 SCENARIOS = ("task", "class")
@@ -88,9 +94,12 @@ ROWS: list[Row] = [
     Row("ewc (online)", "ewc_online", class_config="ewc_online_class"),
     Row("laplace (kron)", "laplace", class_config="laplace_class"),
     Row("laplace (diag)", "laplace_diag", class_config="laplace_diag_class"),
-    Row("vcl (vogn)", "vcl"),
-    Row("vcl (bbb)", "vcl_bbb"),
-    Row("vcl (vogn) + k-center coreset", "vcl_coreset"),
+    # the library defaults (README quickstart form), chosen on validation (search_defaults_split_digits.md)
+    Row("laplace (library defaults)", "laplace_defaults"),
+    Row("vcl (library defaults: vogn + k-center coreset)", "vcl"),
+    Row("vcl (vogn), no coreset", "vcl_no_coreset"),
+    Row("vcl (bbb), no coreset", "vcl_bbb"),
+    Row("vcl (vogn, α 0.05) + k-center coreset", "vcl_coreset"),
     Row("blr (diag, GGN; library defaults)", "blr"),
     # ablations of blr.yaml (the library defaults): VOGN's curvature, the plain precision
     # rate, no step clip, and the earlier VOGN recipe (EF, α 0.2, δ 1, ess 1, T 1, no debias, no clip)
@@ -100,7 +109,8 @@ ROWS: list[Row] = [
     Row("blr, VOGN recipe (EF, α 0.2, T 1)", "blr",
         {"curvature": "empirical_fisher", "precision_debias": False, "lr": 0.2, "temperature": 1.0,
          "clip_radius": None, "ess_factor": 1.0, "prior_precision": 1.0, "init_precision": 400.0}),
-    Row("ivon", "ivon"),
+    Row("ivon (library defaults: GGN carry)", "ivon"),
+    Row("ivon, carried Price average (the earlier default)", "ivon", {"carry": "average", "temperature": 0.1}),
     Row("fromp", "fromp"),
     Row("frorp", "fromp", name="frorp"),
     Row("fromp-l2", "fromp", name="fromp-l2"),
@@ -154,12 +164,12 @@ def select_rows(methods: list[str] | None) -> list[Row]:
     return [r for r in ROWS if r.label in wanted_labels or r.config in wanted_stems or r.class_config in wanted_stems]
 
 
-def runs_folder(runs_dir: Path, validation: float = 0.0) -> Path:
-    """Where runs are stored: ``runs_dir`` for test runs, ``runs_dir/validation<F>`` for validation runs."""
-    return Path(runs_dir) / f"validation{validation:g}" if validation else Path(runs_dir)
+def runs_folder(records_dir: Path, validation: float = 0.0, scenario: str = "task") -> Path:
+    """Where the records of one scenario are: ``<records>/split_digits/<scenario>/table[_validation<F>]``."""
+    return Path(records_dir) / "split_digits" / scenario / ("table" + (f"_validation{validation:g}" if validation else ""))
 
 
-def run_one(row: Row, scenario: str, seed: int, runs_dir: Path, force: bool = False,
+def run_one(row: Row, scenario: str, seed: int, records_dir: Path, force: bool = False,
             validation: float = 0.0) -> dict[str, Any]:
     """Run (or reload) one (row, scenario, seed).
 
@@ -167,38 +177,90 @@ def run_one(row: Row, scenario: str, seed: int, runs_dir: Path, force: bool = Fa
         row: the table row.
         scenario: ``"task"`` or ``"class"``.
         seed: the run's seed.
-        runs_dir: where finished runs are stored (``<runs_dir>/<scenario>/<label>_seed<seed>.json``;
-            validation runs under ``<runs_dir>/validation<F>/``).
-        force: rerun even if a stored run with the same method config exists.
+        records_dir: the records root (``runs_folder``); a stored record is reused while its method config is
+            the row's and it is current (``records.is_current``); otherwise it is moved to ``superseded/`` and
+            the run is made again.
+        force: rerun even if a current record with the same method config exists.
         validation: 0 evaluates on the test set; otherwise this fraction of each task's training data
             is held out and evaluated on (``stream.validation``).
 
     Returns:
-        The run's ``StreamResult.to_dict()`` plus ``wall_s``, ``cpu_s``, ``label``, ``method_config``
-        and ``validation``.
+        The record: ``StreamResult.to_dict()`` plus ``wall_s``, ``cpu_s``, ``label``, ``method_config``,
+        ``validation``, ``resolved_params`` and the provenance of ``records.provenance``.
     """
+    import dataclasses
+
+    from continual_blr.methods import build_method
+
     mc = method_config(row, scenario)
     key = {"name": mc.name, "params": mc.params}
-    path = runs_folder(runs_dir, validation) / scenario / f"{safe_label(row.label)}_seed{seed}.json"
-    if path.is_file() and not force:
+    folder = runs_folder(records_dir, validation, scenario)
+    path = folder / f"{safe_label(row.label)}_seed{seed}.json"
+    if path.is_file():
         rec = json.loads(path.read_text())
-        if rec.get("method_config") == key and rec.get("validation", 0.0) == validation:
+        if not force and rec.get("method_config") == key and rec.get("validation", 0.0) == validation \
+                and run_records.is_current(rec):
             return rec
+        old = folder / "superseded" / f"{path.stem}__{(rec.get('library_hash') or 'unknown')[:8]}.json"
+        old.parent.mkdir(parents=True, exist_ok=True)
+        path.replace(old)
+    run_records.process_library_hash()
     cfg = copy.deepcopy(_load(BASE_CONFIG))  # the shared model and budget
     cfg.stream.scenario = scenario
     cfg.stream.validation = validation
     cfg.seed = seed
     cfg.progress = False
     cfg.methods = [mc]
+    resolved = getattr(build_method(mc.name, mc.params), "params", None)
+    origin = run_records.provenance(cfg.device)
     t0, c0 = time.perf_counter(), time.process_time()
     res = run_config(cfg, save=False)[0]
     rec = res.to_dict() | {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
-                           "label": row.label, "config": row.config, "method_config": key, "validation": validation}
+                           "threads": torch.get_num_threads(),
+                           "label": row.label, "config": row.config, "method_config": key, "validation": validation,
+                           "resolved_params": dataclasses.asdict(resolved) if dataclasses.is_dataclass(resolved)
+                           else None} | origin
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(rec, indent=2))
     tmp.replace(path)
     return rec
+
+
+def collect(records_dir: Path, validation: float = 0.0) -> tuple[Records, dict[tuple[str, str], list[dict]]]:
+    """The stored records ``(label, scenario)`` → records (seeds ascending), and the superseded ones."""
+    current: Records = {}
+    superseded: dict[tuple[str, str], list[dict]] = {}
+    labels = {safe_label(r.label): r.label for r in ROWS}
+    for scen in SCENARIOS:
+        folder = runs_folder(records_dir, validation, scen)
+        for where, sub in ((current, folder), (superseded, folder / "superseded")):
+            for p in sorted(sub.glob("*_seed*.json")):
+                rec = json.loads(p.read_text())
+                label = rec.get("label") or labels.get(p.stem.split("_seed")[0], p.stem)
+                where.setdefault((label, scen), []).append(rec)
+    for v in (*current.values(), *superseded.values()):
+        v.sort(key=lambda r: (r["seed"], r.get("commit") or ""))
+    return current, superseded
+
+
+def table_path(results_dir: Path, validation: float = 0.0) -> Path:
+    return Path(results_dir) / ("split_digits_validation.md" if validation else "split_digits.md")
+
+
+def table_from_records(records_dir: Path, results_dir: Path, validation: float = 0.0) -> Path | None:
+    """Write the table of the stored records (None: no records); the text depends on the records alone."""
+    records, superseded = collect(records_dir, validation)
+    if not records:
+        return None
+    seeds = sorted({r["seed"] for v in records.values() for r in v})
+    text = report(records, seeds, validation=validation, superseded=superseded)
+    out = table_path(results_dir, validation)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(out)
+    return out
 
 
 def _ms(xs: list[float], scale: float = 100.0) -> str:
@@ -241,25 +303,22 @@ def _lam_cell(row: Row) -> str:
     return " / ".join(dict.fromkeys(cells))
 
 
-def report(records: Records, seeds: list[int], wall: float, command: str, threads: int,
-           runs_dir: Path | None = None, validation: float = 0.0) -> str:
-    """The markdown table and its notes.
+def report(records: Records, seeds: list[int], validation: float = 0.0,
+           superseded: dict[tuple[str, str], list[dict]] | None = None) -> str:
+    """The markdown table and its notes, a function of the records alone.
 
     Args:
         records: ``(label, scenario)`` → the runs, one per seed.
-        seeds: the seeds asked for.
-        wall: this invocation's wall time (s).
-        command: the command line that produced the table.
-        threads: torch threads used.
-        runs_dir: where the runs are stored (named in the header; default the standard folder).
+        seeds: the seeds the records hold.
         validation: the held-out fraction the runs were evaluated on (0: the test set).
+        superseded: ``(label, scenario)`` → earlier evaluations of the row that were replaced (listed).
     """
     base = _load(BASE_CONFIG)
     t = base.train
     clip = "no gradient clipping" if t.grad_clip is None else f"gradient norm clipped at {t.grad_clip:g}"
     rows = [r for r in ROWS if any((r.label, s) in records for s in SCENARIOS)]
-    runs_dir = runs_folder(Path(runs_dir or ROOT / "benchmarks" / "runs" / "split_digits"), validation).resolve()
-    runs_shown = runs_dir.relative_to(ROOT) if runs_dir.is_relative_to(ROOT) else runs_dir
+    folder = "table" + (f"_validation{validation:g}" if validation else "")
+    command = "python benchmarks/split_digits.py" + (f" --validation {validation:g}" if validation else "")
     evaluated = "test" if not validation else f"VALIDATION: {validation:g} of each task's training data held out"
     lines = [
         f"# Split digits: all methods (final average accuracy, %; {evaluated})",
@@ -270,7 +329,8 @@ def report(records: Records, seeds: list[int], wall: float, command: str, thread
                   f"evaluated on the held-out {validation:g} (drawn per seed), not on the test set. For choosing "
                   "hyper-parameters; not comparable to the test table `split_digits.md`.", ""]
     lines += [
-        f"Produced by (runs stored under `{runs_shown}/`, not committed):",
+        f"Produced by (run records under `benchmarks/records/split_digits/<scenario>/{folder}/`, committed; the table "
+        "is generated from them alone, also by `python benchmarks/tables.py`):",
         "",
         "```",
         command,
@@ -283,12 +343,13 @@ def report(records: Records, seeds: list[int], wall: float, command: str, thread
         "10-way head (single-head). Δ none: mean ± std over seeds of (row − none) on the same seed.",
         "",
         "| method | config | λ-equiv. | task-incremental | Δ none | forgetting | class-incremental | Δ none "
-        "| forgetting | CPU / run (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| forgetting | CPU / run (s) | library | commits |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         cells: list[str] = []
         cpu: list[float] = []
+        mine: list[dict] = []
         for scen in SCENARIOS:
             recs = records.get((row.label, scen))
             if not recs:
@@ -300,23 +361,28 @@ def report(records: Records, seeds: list[int], wall: float, command: str, thread
                       _ms(diffs) if diffs and row.label != "none" else "-",
                       _ms([r["forgetting"] for r in recs])]
             cpu += [r.get("cpu_s", r["wall_s"]) for r in recs]
+            mine += recs
+        libs = ", ".join(sorted({(r.get("library_hash") or "?")[:8] for r in mine}))
+        commits = ", ".join(sorted({(r.get("commit") or "?")[:8] + ("+dirty" if r.get("dirty") else "") for r in mine}))
         lines.append(f"| {row.label} | {_config_cell(row)} | {_lam_cell(row)} | {' | '.join(cells)} "
-                     f"| {statistics.fmean(cpu):.1f} |")
+                     f"| {statistics.fmean(cpu):.1f} | {libs} | {commits} |")
     n_runs = sum(len(v) for v in records.values())
+    threads = sorted({r.get("threads", 1) for v in records.values() for r in v})
     lines += [
         "",
-        f"{n_runs} runs, {threads} torch thread(s) each, on a shared 2-core CPU; their wall times sum to "
-        f"{sum(r['wall_s'] for v in records.values() for r in v):.0f} s. This invocation took {wall:.0f} s "
-        "(stored runs are reused at no cost).",
+        f"{n_runs} runs, {'/'.join(map(str, threads))} torch thread(s) each, on a shared 2-core CPU; CPU / run is the "
+        "process's own CPU time. library: the hash of `continual_blr/` a row's records ran on (`benchmarks/records.py`; "
+        "a record is reused only while it is the current one); commits: the checkouts they ran in.",
         "",
         "How the params were chosen. l2, ewc, ewc (online), laplace (kron), laplace (diag): the strength (λ or the "
         "temperature T) per scenario on *validation* data — 0.1 of each task's training data held out, seeds 0-4, "
         "never the test set (`python benchmarks/search.py split_digits <config> --scenario <s> --grid ...`; grids, "
         "scores and choices in `benchmarks/results/search_split_digits_<config>[_class].md`); each has a class config "
         "because one head per task needs a plastic trunk and one 10-way head needs the old classes held hard. "
-        "blr and ivon: the library defaults, chosen on validation runs (`benchmarks/results/search_blr.md`); the blr "
-        "rows after the first are ablations of `blr.yaml`, not tuned on their own. The vcl rows: see each YAML's "
-        "first line. FROMP rows are not tuned (the reference code's values).",
+        "blr: the library defaults, chosen on validation runs (`benchmarks/results/search_blr.md`); the blr "
+        "rows after the first are ablations of `blr.yaml`, not tuned on their own. The library-default rows of "
+        "laplace, vcl and ivon: the defaults chosen on validation in the README quickstart's form "
+        "(`benchmarks/results/search_defaults_split_digits.md`). The other vcl rows: see each YAML's first line. FROMP rows are not tuned (the reference code's values).",
         "",
         "λ-equiv.: the strength on EWC's scale (task / class where the two configs differ). EWC adds "
         "(λ/2) Σ_k F̄_k (θ − θ*_k)² to the mean loss, F̄_k the per-example-mean Fisher of past task k, so λ = N_k/N_t "
@@ -326,8 +392,8 @@ def report(records: Records, seeds: list[int], wall: float, command: str, thread
         "(`benchmarks/strength.py`, docs/benchmarks.md).",
         "",
         "Caveats: (1) Five seeds rank rows only where the paired Δ none is large against its spread; several "
-        "task-scenario rows are within noise of each other. (2) vcl (vogn) without a coreset does not beat none in "
-        "the task scenario; with the paper's k-center coreset it does in both. (3) A validation split of 0.1 is "
+        "task-scenario rows are within noise of each other. (2) vcl without a coreset does not beat none in "
+        "the task scenario; with the paper's k-center coreset (the library default) it does in both. (3) A validation split of 0.1 is "
         "about 29 images per task here: one image moves a task's validation accuracy by ~3.4 points and the "
         "5-task average by ~0.7; the searches' choices are the best means over 5 seeds, often within one std of the "
         "runner-up (see the search tables).",
@@ -342,6 +408,12 @@ def report(records: Records, seeds: list[int], wall: float, command: str, thread
             lines.append(f"- **{row.label}**{where}: `{mc.name}` {json.dumps(mc.params) if mc.params else '(defaults)'}")
     if any(r.config == "fromp" for r in rows):
         lines += [""] + _fromp_note()
+    old = {k: v for k, v in (superseded or {}).items() if v}
+    lines += ["", "Superseded evaluations (records replaced by a rerun, kept under `superseded/`): "
+              + ("none." if not old else "")]
+    for (label, scen), recs in sorted(old.items()):
+        accs = ", ".join(f"seed {r['seed']} {100 * r['avg_acc']:.1f} ({(r.get('library_hash') or '?')[:8]})" for r in recs)
+        lines.append(f"- **{label}** ({scen}): {accs}")
     return "\n".join(lines) + "\n"
 
 
@@ -352,10 +424,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", nargs="+", default=None,
                     help="rows to run: a row label, or else a config stem (its rows); default: every row")
     ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
-    ap.add_argument("--runs-dir", default=str(ROOT / "benchmarks" / "runs" / "split_digits"))
-    ap.add_argument("--out", default=None,
-                    help="table file (default benchmarks/results/split_digits.md, or split_digits_validation.md "
-                         "with --validation)")
+    ap.add_argument("--records-dir", default=str(run_records.RECORDS_DIR),
+                    help="records root (default benchmarks/records/, committed)")
+    ap.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"),
+                    help="where split_digits.md (split_digits_validation.md with --validation) is written")
     ap.add_argument("--validation", type=float, default=0.0, metavar="FRACTION",
                     help="evaluate on this held-out fraction of each task's training data instead of the test set")
     ap.add_argument("--threads", type=int, default=1,
@@ -369,37 +441,26 @@ def main(argv: list[str] | None = None) -> int:
         check_validation(args.validation)
     except ValueError as err:
         ap.error(f"--{err}")
-    if args.out is None:
-        name = "split_digits_validation.md" if args.validation else "split_digits.md"
-        args.out = str(ROOT / "benchmarks" / "results" / name)
-    command = ("python benchmarks/split_digits.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
     from continual_blr.runner import set_threads
 
     try:
         set_threads(args.threads)
     except ValueError as err:
         ap.error(str(err))
-    t0 = time.perf_counter()
-    records: Records = {}
     for row in select_rows(args.methods):
         for scen in args.scenarios:
             if scen not in row.scenarios:
                 continue
             for seed in args.seeds:
-                rec = run_one(row, scen, seed, Path(args.runs_dir), args.force, args.validation)
-                records.setdefault((row.label, scen), []).append(rec)
+                rec = run_one(row, scen, seed, Path(args.records_dir), args.force, args.validation)
                 print(f"{row.label:32s} {scen:5s} seed {seed}: {100 * rec['avg_acc']:5.1f}%  "
                       f"({rec['wall_s']:.1f} s wall, {rec.get('cpu_s', 0):.1f} s CPU)", flush=True)
-    text = report(records, args.seeds, time.perf_counter() - t0, command, args.threads, Path(args.runs_dir),
-                  args.validation)
-    print(text)
-    if not args.no_write:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(out.suffix + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(out)
-        print(f"wrote {out}")
+    if args.no_write:
+        records, superseded = collect(Path(args.records_dir), args.validation)
+        print(report(records, sorted({r["seed"] for v in records.values() for r in v}), args.validation, superseded))
+        return 0
+    out = table_from_records(Path(args.records_dir), Path(args.results_dir), args.validation)
+    print(f"wrote {out}")
     return 0
 
 

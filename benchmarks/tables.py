@@ -6,6 +6,9 @@ Run:
     python benchmarks/tables.py --check    # exit 1 if a committed table differs from what its records give
     python benchmarks/tables.py --status   # which records are stale (ran on another version of the library)
 
+Split digits' table (``split_digits.md``, and ``split_digits_validation.md``) comes from its own records,
+``<records>/split_digits/<scenario>/table[_validation<F>]/`` (``split_digits.py``), and is compared whole.
+
 The records folder is laid out as ``<records>/<benchmark>/<scenario>/<mode>/<method>_seed<k>.json`` with ``mode``
 ``full``, ``quick`` or ``<full|quick>_validation<F>`` (``reproduce.py`` writes them; ``benchmarks/records.py`` says
 what a record holds and when it is current). Each folder gives one table (``reproduce.write_report``). The check
@@ -24,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts (benchmarks/ is not a package)
 import records as run_records  # noqa: E402
 import reproduce  # noqa: E402
+import split_digits  # noqa: E402
 
 MODE = re.compile(r"^(full|quick)(?:_validation([0-9.]+))?$")
 
@@ -60,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     records_dir, results_dir = Path(args.records_dir), Path(args.results_dir)
     found = tables(records_dir)
-    if not found:
+    if not found and not any(records_dir.glob("split_digits/*/table*/*_seed*.json")):
         print(f"tables: no records under {records_dir}")
         return 0
     if args.status:
@@ -74,6 +78,21 @@ def main(argv: list[str] | None = None) -> int:
                       f"{len(rs)} records, {state}")
         return 0
     bad = []
+    digits = sorted({float(f.name.partition("_validation")[2] or 0.0)
+                     for f in records_dir.glob("split_digits/*/table*") if any(f.glob("*_seed*.json"))})
+    for validation in digits:
+        name = split_digits.table_path(results_dir, validation).name
+        if not args.check:
+            print(f"wrote {split_digits.table_from_records(records_dir, results_dir, validation)}")
+            continue
+        committed = results_dir / name
+        with tempfile.TemporaryDirectory() as tmp:
+            got = split_digits.table_from_records(records_dir, Path(tmp), validation).read_text()  # type: ignore[union-attr]
+        if not committed.is_file() or committed.read_text() != got:
+            bad.append(name)
+            print(f"tables: {name} differs from what its records generate (run python benchmarks/tables.py)")
+        else:
+            print(f"tables: {name} matches its split_digits records")
     for benchmark, scenario, quick, validation in found:
         name = reproduce.report_path(results_dir, benchmark, scenario, quick, validation).name
         if not args.check:

@@ -332,10 +332,30 @@ def test_split_digits_validation_runs_are_stored_apart(tmp_path):
     row = sd.Row("none", "none")
     rec = sd.run_one(row, "task", 0, tmp_path, validation=0.1)
     assert rec["stream"] == "split_digits[validation 0.1]" and rec["validation"] == 0.1
-    assert (tmp_path / "validation0.1" / "task" / "none_seed0.json").is_file()
-    assert not (tmp_path / "task").exists()
-    text = sd.report({("none", "task"): [rec]}, [0], 0.0, "cmd", 1, tmp_path, validation=0.1)
-    assert "VALIDATION" in text.splitlines()[0]
+    assert (tmp_path / "split_digits" / "task" / "table_validation0.1" / "none_seed0.json").is_file()
+    assert not (tmp_path / "split_digits" / "task" / "table").exists()
+    out = sd.table_from_records(tmp_path, tmp_path / "results", validation=0.1)
+    assert out.name == "split_digits_validation.md" and "VALIDATION" in out.read_text().splitlines()[0]
+    assert sd.table_from_records(tmp_path, tmp_path / "results") is None  # no test records: no test table
+
+
+def test_split_digits_records_are_reused_while_current_and_superseded_runs_stay_listed(tmp_path, monkeypatch):
+    """A stored record is reused while current; a rerun on another library moves the old record to superseded/,
+    and the table, generated from the records alone, lists it and names both library versions."""
+    sd = _load_script("split_digits")
+    row = sd.Row("none", "none")
+    first = sd.run_one(row, "task", 0, tmp_path)
+    path = tmp_path / "split_digits" / "task" / "table" / "none_seed0.json"
+    assert first["library_hash"] and "commit" in first and first["resolved_params"] is None
+    assert sd.run_one(row, "task", 0, tmp_path)["wall_s"] == first["wall_s"]  # reused, not rerun
+    monkeypatch.setattr(sd.run_records, "is_current", lambda rec, h=None: False)  # the library changed
+    second = sd.run_one(row, "task", 0, tmp_path)
+    assert second["wall_s"] != first["wall_s"]
+    old = list((path.parent / "superseded").glob("none_seed0__*.json"))
+    assert len(old) == 1 and json.loads(old[0].read_text())["wall_s"] == first["wall_s"]
+    text = sd.table_from_records(tmp_path, tmp_path / "results").read_text()
+    assert "- **none** (task): seed 0" in text
+    assert text == sd.table_from_records(tmp_path, tmp_path / "again").read_text()  # records alone decide
 
 
 def test_reproduce_keeps_rows_whose_runs_are_not_stored_here(tmp_path):

@@ -222,7 +222,7 @@ def test_ivon_is_the_price_blr_and_carries_its_posterior_divided_by_t():
     torch.set_num_threads(1)
     stream = make_stream("synthetic", scenario="task", n_tasks=2, n_train=40, n_test=20, n_features=5, seed=3)
     model = build_model("mlp", (5,), stream.n_outputs, stream.n_heads, hidden=(8,), generator=torch.Generator().manual_seed(0))
-    method = build_method("ivon", {"temperature": 0.5, "hess_init": 0.02}, seed=0)
+    method = build_method("ivon", {"temperature": 0.5, "hess_init": 0.02, "carry": "average"}, seed=0)
     train = TrainConfig(epochs=3, batch_size=16)
     snap = {}
     end = method.on_task_end
