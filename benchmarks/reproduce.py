@@ -60,7 +60,7 @@ REFERENCES: dict[tuple[str, str, str], tuple[float, str]] = {
     ("split_mnist", "class", "fromp-classes-all"): (33.4, "FROMP code run by others, class-incremental"),
 }
 # Canonical row order of the tables; methods not listed follow in alphabetical order.
-METHOD_ORDER = ["fromp-replay", "fromp-replay_m500", "derpp", "derpp_m500", "er", "er_m500", "fromp", "frorp", "fromp-l2", "fromp-full", "fromp-kron", "fromp-classes-all", "ewc", "laplace", "vcl", "blr", "ivon",
+METHOD_ORDER = ["fromp-replay", "fromp-replay_m500", "derpp", "derpp_m500", "er", "er_m500", "fromp", "frorp", "fromp-l2", "fromp-full", "fromp-kron", "fromp-classes-all", "ewc", "laplace", "vcl", "vcl_no_coreset", "vcl_vogn", "vcl_vogn_coreset", "blr", "blr_price", "ivon",
                 "l2", "none", "joint"]
 NOTES_MARKER = "<!-- notes -->"
 

@@ -140,7 +140,7 @@ def test_bbb_loss_is_mc_elbo_over_n(gen):
     (the body and head 0: head 1 is neither sampled nor in the KL), ε from the method's generator."""
     stream = _stream()
     model = _model(stream, DT)
-    method = VCLMethod(VCLParams(optimizer="bbb", mc_samples=3, init_log_variance=-2.0), seed=5)
+    method = VCLMethod(VCLParams(coreset_size=0, optimizer="bbb", mc_samples=3, init_log_variance=-2.0), seed=5)
     _set_up(method, model, stream, TrainConfig())
     task = stream.tasks[0].to("cpu", DT)
     method.on_task_start(model, task)
@@ -182,7 +182,7 @@ def test_posterior_becomes_prior(optimizer):
     stream = _stream()
     model = _model(stream)
     delta = 2.0
-    method = build_method("vcl", {"optimizer": optimizer, "predict_samples": 2, "prior_precision": delta,
+    method = build_method("vcl", {"coreset_size": 0, "optimizer": optimizer, "predict_samples": 2, "prior_precision": delta,
                                   "lr": 0.05 if optimizer == "vogn" else 0.01, "log_var_lr": None}, seed=1)
     snaps, priors = [], []
     end, make = method.on_task_end, method.make_optimizer
@@ -225,7 +225,7 @@ def test_a_new_head_stays_out_of_the_kl_until_its_task(optimizer):
     model = _model(stream)
     init = {k: v.detach().clone() for k, v in model.named_parameters()}
     delta = 1.0
-    method = build_method("vcl", {"optimizer": optimizer, "prior_precision": delta, "predict_samples": 0,
+    method = build_method("vcl", {"coreset_size": 0, "optimizer": optimizer, "prior_precision": delta, "predict_samples": 0,
                                   "lr": 0.05 if optimizer == "vogn" else 0.01, "log_var_lr": 0.05}, seed=4)
     train = TrainConfig(epochs=4, batch_size=16)
     _set_up(method, model, stream, train)
@@ -299,7 +299,7 @@ def test_vogn_reaches_the_mean_field_elbo_optimum_exactly():
     from test_regression import DELTA, mean_field_recursion, regression_stream
 
     stream = regression_stream(n_tasks=2)
-    method = build_method("vcl", {"optimizer": "vogn", "prior_precision": DELTA, "curvature": "ggn", "rho": 1.0,
+    method = build_method("vcl", {"coreset_size": 0, "optimizer": "vogn", "prior_precision": DELTA, "curvature": "ggn", "rho": 1.0,
                                   "beta1": 0.0, "mc_samples": 0, "lr": 0.9, "predict_samples": 0})
     errors = _mean_field_check(stream, method, epochs=100)
     assert max(max(e) for e in errors) < 1e-8, errors
@@ -314,7 +314,7 @@ def test_bbb_reaches_the_mean_field_elbo_optimum():
     torch.set_num_threads(1)
     from test_regression import DELTA, regression_stream
 
-    params = {"optimizer": "bbb", "prior_precision": DELTA, "mc_samples": 4, "predict_samples": 0,
+    params = {"coreset_size": 0, "optimizer": "bbb", "prior_precision": DELTA, "mc_samples": 4, "predict_samples": 0,
               "init_log_variance": -10.0, "lr": 0.01, "log_var_lr": 0.02}
     errors = _mean_field_check(regression_stream(n_tasks=2), build_method("vcl", params, seed=0), epochs=500)
     for mean_sd, prec_rel in errors:
@@ -353,9 +353,9 @@ def test_ml_init_starts_task_1_from_a_maximum_likelihood_fit():
 
 def test_vogn_sets_every_blr_field():
     """optimizer vogn passes every BLRParams field explicitly (none left to the BLR's defaults)."""
-    values = VCLMethod(VCLParams(optimizer="vogn"))._blr_values()
+    values = VCLMethod(VCLParams(coreset_size=0, optimizer="vogn"))._blr_values()
     assert set(values) == {f.name for f in dataclasses.fields(BLRParams)}
-    assert BLRParams(**values) == VCLMethod(VCLParams(optimizer="vogn")).blr_params()
+    assert BLRParams(**values) == VCLMethod(VCLParams(coreset_size=0, optimizer="vogn")).blr_params()
 
 
 def test_coreset_selection(gen):
@@ -477,7 +477,7 @@ def test_a_reloaded_vcl_draws_the_predictions_the_saved_one_would():
     stream = _stream()
     train = TrainConfig(epochs=1, batch_size=20, lr=1e-2)
     model = _model(stream)
-    params = {"predict_samples": 5, "ml_init_epochs": 0}
+    params = {"coreset_size": 0, "predict_samples": 5, "ml_init_epochs": 0}
     method = build_method("vcl", params, seed=0)
     run_stream(model, stream, method, train, seed=0, progress=False)
     x = stream.tasks[0].x_test

@@ -287,7 +287,8 @@ def test_laplace_penalty_is_prior_over_n(gen):
 def test_last_layer_subset_and_full_structure(gen):
     model = _mlp(gen, n_heads=2)
     assert last_layer_names(model) == ["heads.0.weight", "heads.0.bias", "heads.1.weight", "heads.1.bias"]
-    method = build_method("laplace", {"structure": "full", "subset": "last_layer", "prior_precision": 1.0})
+    method = build_method("laplace", {"structure": "full", "subset": "last_layer", "prior_precision": 1.0,
+                                      "temperature": 1.0})
     method.regularizer.setup(model)
     task = _task(gen, n=5, head=1)
     method.on_task_end(model, task)

@@ -251,6 +251,8 @@ class VCLMethod(Method):
             init_hess=None,  # VCL's own start: q_{t−1} warm, e^{−init_log_variance} for a new head
             fused_step=p.fused_step,
             curvature_every=p.curvature_every,
+            carry="average",  # q_t itself is carried (VCL's posterior; the BLR's carried average D̄)
+            carry_examples=None,
         )
 
     def blr_params(self) -> BLRParams:
