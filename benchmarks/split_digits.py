@@ -366,6 +366,14 @@ def report(records: Records, seeds: list[int], validation: float = 0.0,
         commits = ", ".join(sorted({(r.get("commit") or "?")[:8] + ("+dirty" if r.get("dirty") else "") for r in mine}))
         lines.append(f"| {row.label} | {_config_cell(row)} | {_lam_cell(row)} | {' | '.join(cells)} "
                      f"| {statistics.fmean(cpu):.1f} | {libs} | {commits} |")
+    below = []
+    for row in rows:
+        for scen in SCENARIOS:
+            none = {r["seed"]: r["avg_acc"] for r in records.get(("none", scen), [])}
+            diffs = [r["avg_acc"] - none[r["seed"]] for r in records.get((row.label, scen), []) if r["seed"] in none]
+            if row.label != "none" and diffs and statistics.fmean(diffs) <= 0:
+                below.append(f"{row.label} ({scen}, Δ {_ms(diffs)})")
+    lines += ["", "Rows not above none (mean paired Δ ≤ 0): " + ("; ".join(below) + "." if below else "none.")]
     n_runs = sum(len(v) for v in records.values())
     threads = sorted({r.get("threads", 1) for v in records.values() for r in v})
     lines += [
