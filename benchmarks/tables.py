@@ -77,37 +77,29 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{benchmark}/{scenario}/{'quick' if quick else 'full'}{validation or ''} {method}: "
                       f"{len(rs)} records, {state}")
         return 0
-    bad = []
     digits = sorted({float(f.name.partition("_validation")[2] or 0.0)
                      for f in records_dir.glob("split_digits/*/table*") if any(f.glob("*_seed*.json"))})
-    for validation in digits:
-        name = split_digits.table_path(results_dir, validation).name
+    # (table file name, the records it comes from, build(results folder, draw) -> the written table)
+    jobs = [(split_digits.table_path(results_dir, v).name, "split_digits",
+             lambda out, draw, v=v: split_digits.table_from_records(records_dir, out, v)) for v in digits]
+    jobs += [(reproduce.report_path(results_dir, b, s, q, v).name, f"{b}/{s}",
+              lambda out, draw, b=b, s=s, q=q, v=v: build(records_dir, out, b, s, q, v, draw=draw))
+             for b, s, q, v in found]
+    bad = []
+    for name, origin, make in jobs:
         if not args.check:
-            print(f"wrote {split_digits.table_from_records(records_dir, results_dir, validation)}")
+            print(f"wrote {make(results_dir, True)}")
             continue
         committed = results_dir / name
         with tempfile.TemporaryDirectory() as tmp:
-            got = split_digits.table_from_records(records_dir, Path(tmp), validation).read_text()  # type: ignore[union-attr]
-        if not committed.is_file() or committed.read_text() != got:
-            bad.append(name)
-            print(f"tables: {name} differs from what its records generate (run python benchmarks/tables.py)")
-        else:
-            print(f"tables: {name} matches its split_digits records")
-    for benchmark, scenario, quick, validation in found:
-        name = reproduce.report_path(results_dir, benchmark, scenario, quick, validation).name
-        if not args.check:
-            print(f"wrote {build(records_dir, results_dir, benchmark, scenario, quick, validation)}")
-            continue
-        committed = results_dir / name
-        with tempfile.TemporaryDirectory() as tmp:
-            if committed.is_file():
+            if committed.is_file():  # its notes part is kept by the rebuild
                 (Path(tmp) / name).write_text(committed.read_text())
-            got = build(records_dir, Path(tmp), benchmark, scenario, quick, validation, draw=False).read_text()
+            got = make(Path(tmp), False).read_text()
         if not committed.is_file() or _body(committed.read_text()) != _body(got):
             bad.append(name)
             print(f"tables: {name} differs from what its records generate (run python benchmarks/tables.py)")
         else:
-            print(f"tables: {name} matches its {benchmark}/{scenario} records")
+            print(f"tables: {name} matches its {origin} records")
     return 1 if bad else 0
 
 
