@@ -4,6 +4,10 @@ Run (one torch thread):
 
     python benchmarks/perf_train.py --threads 1          # prints the table, writes benchmarks/results/perf_train.md
     python benchmarks/perf_train.py --steps 3 --warmup 1 --no-write
+    python benchmarks/perf_train.py --device cuda --steps 50 --warmup 10   # writes perf_train_cuda.md
+
+On CUDA every timed step ends with ``torch.cuda.synchronize()`` (so the wall time is the step's, not its launch's),
+bf16 autocast is ``torch.autocast(cuda, bfloat16)``, and the report names the GPU.
 
 Setting: a batch of 256 random 3×32×32 images with random labels (speed does not depend on the data), the
 networks ``cifarnet`` and ``reduced_resnet18`` built by ``models.build_model`` (one head of 10 outputs), and
@@ -25,6 +29,7 @@ what the step costs this process.
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import statistics
 import sys
@@ -74,11 +79,11 @@ def cpu_flags() -> str:
     return ", ".join(have) if have else "none of " + ", ".join(wanted)
 
 
-def _step_fn(arch: str, precision: str, channels_last: bool, seed: int):
+def _step_fn(arch: str, precision: str, channels_last: bool, seed: int, device: str = "cpu"):
     g = torch.Generator().manual_seed(seed)
-    model = build_model(arch, SHAPE, 10, 1, generator=torch.Generator().manual_seed(seed))
-    x = torch.randn(BATCH, *SHAPE, generator=g)
-    y = torch.randint(0, 10, (BATCH,), generator=g)
+    model = build_model(arch, SHAPE, 10, 1, generator=torch.Generator().manual_seed(seed)).to(device)
+    x = torch.randn(BATCH, *SHAPE, generator=g).to(device)
+    y = torch.randint(0, 10, (BATCH,), generator=g).to(device)
     task = Task(0, x, y, x[:8], y[:8], tuple(range(10)), name="t0")
     train = TrainConfig(batch_size=BATCH, lr=1e-3, precision=precision, channels_last=channels_last)
     if train.use_channels_last:
@@ -89,14 +94,26 @@ def _step_fn(arch: str, precision: str, channels_last: bool, seed: int):
     method.on_task_start(model, task)
     opt = method.make_optimizer(model, task, train)
     batch = Batch(x, y, 0)
+    if device.startswith("cuda"):
+        def step():
+            train_step(model, method, opt, batch, task, train)
+            torch.cuda.synchronize(device)
+        return step
     return lambda: train_step(model, method, opt, batch, task, train)
 
 
-def run(steps: int, warmup: int, seed: int = 0) -> dict:
+def device_name(device: str) -> str:
+    """The GPU's name on CUDA, else the CPU model with its bf16-relevant flags."""
+    if device.startswith("cuda"):
+        return f"GPU: {torch.cuda.get_device_name(torch.device(device))} (CUDA {torch.version.cuda})"
+    return f"CPU: {cpu_model()} (bf16-relevant flags: {cpu_flags()})"
+
+
+def run(steps: int, warmup: int, seed: int = 0, device: str = "cpu") -> dict:
     """{arch: {setting: (median wall s, median cpu s)}}, settings interleaved round by round."""
     out: dict = {}
     for arch in ARCHS:
-        fns = {name: _step_fn(arch, p, cl, seed) for name, (p, cl) in SETTINGS.items()}
+        fns = {name: _step_fn(arch, p, cl, seed, device) for name, (p, cl) in SETTINGS.items()}
         for fn in fns.values():
             for _ in range(warmup):
                 fn()
@@ -113,7 +130,7 @@ def run(steps: int, warmup: int, seed: int = 0) -> dict:
     return out
 
 
-def report(res: dict, steps: int, warmup: int, threads: int, command: str) -> str:
+def report(res: dict, steps: int, warmup: int, threads: int, command: str, device: str = "cpu") -> str:
     lines = [
         "# Training step speed: fp32, bf16 autocast, channels_last (CIFAR-shaped batches)",
         "",
@@ -125,7 +142,7 @@ def report(res: dict, steps: int, warmup: int, threads: int, command: str) -> st
         "",
         f"One Adam step of `loop.train_step` (method `none`) on a batch of {BATCH} random 3×32×32 images; median of "
         f"{steps} steps after {warmup} warm-up steps, the four settings interleaved round by round; {threads} torch "
-        f"thread(s); CPU: {cpu_model()} (bf16-relevant flags: {cpu_flags()}); torch {torch.__version__}. "
+        f"thread(s); {device_name(device)}; torch {torch.__version__}. "
         "The machine is shared with other work: wall times are noisy, CPU time (`time.process_time`) is this "
         "process's own cost.",
         "",
@@ -143,7 +160,7 @@ def report(res: dict, steps: int, warmup: int, threads: int, command: str) -> st
         ratio_cpu = rows["fp32"][1] / rows["bf16 + channels_last"][1]
         verdict = "met" if ratio >= TARGET else f"**not met** ({ratio / TARGET:.0%} of the target)"
         lines.append(f"* {arch}: {ratio:.2f} × by wall time, {ratio_cpu:.2f} × by CPU time — {verdict}")
-    if "bf16" not in cpu_flags():
+    if not device.startswith("cuda") and "bf16" not in cpu_flags():
         lines += ["", NO_BF16_NOTE]
     return "\n".join(lines) + "\n"
 
@@ -153,17 +170,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per setting (default 5)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per setting first (default 2)")
-    ap.add_argument("--no-write", action="store_true", help="print only; do not write benchmarks/results/perf_train.md")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    ap.add_argument("--out", default=None,
+                    help="report path (default benchmarks/results/perf_train.md, perf_train_cuda.md on CUDA)")
+    ap.add_argument("--no-write", action="store_true", help="print only; do not write the report")
     args = ap.parse_args(argv)
     if args.threads < 1 or args.steps < 1 or args.warmup < 0:
         ap.error("--threads and --steps must be >= 1, --warmup >= 0")
+    if not (args.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", args.device)):
+        ap.error(f"--device: {args.device!r} is not one of cpu, cuda, cuda:N")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error("--device: CUDA is not available on this machine")
     torch.set_num_threads(args.threads)
-    res = run(args.steps, args.warmup)
+    res = run(args.steps, args.warmup, device=args.device)
     command = "python " + " ".join(shlex.quote(a) for a in ["benchmarks/perf_train.py", *sys.argv[1:]])
-    text = report(res, args.steps, args.warmup, args.threads, command)
+    text = report(res, args.steps, args.warmup, args.threads, command, args.device)
     print(text)
     if not args.no_write:
-        path = ROOT / "benchmarks" / "results" / "perf_train.md"
+        default = "perf_train_cuda.md" if args.device.startswith("cuda") else "perf_train.md"
+        path = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / default
         path.write_text(text)
         print(f"wrote {path}")
     return 0

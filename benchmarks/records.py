@@ -5,7 +5,9 @@ run's ``StreamResult`` (accuracy matrix, metrics, the run config), its cost (``w
 start) and its provenance (:func:`provenance`):
 
 * ``commit`` — ``git rev-parse HEAD`` of the checkout, and ``dirty`` — whether tracked files under
-  ``continual_blr/``, ``configs/`` or ``benchmarks/`` differed from that commit when the run started;
+  ``continual_blr/``, ``configs/`` or ``benchmarks/`` differed from that commit when the run started. A copy with no
+  ``.git`` (a GPU machine that receives the working tree alone) takes them from ``CONTINUAL_BLR_COMMIT`` and
+  ``CONTINUAL_BLR_DIRTY`` (``0``/``1``) set by whoever sent it, and the record says so (``commit_source``: ``env``);
 * ``library_hash`` — the SHA-256 of every ``continual_blr/**/*.py`` file's path and bytes (:func:`library_hash`);
 * ``versions`` — Python, torch, numpy, scikit-learn; ``device`` — the CPU model (or the CUDA device's name);
 * ``resolved_params`` — the method's parameters with every default filled in.
@@ -20,6 +22,7 @@ generated from records alone (current or not), and state, per row, whether its r
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -90,10 +93,16 @@ def provenance(device: str = "cpu") -> dict[str, Any]:
     except ImportError:  # pragma: no cover - an extra
         sk = None
     status = _git("status", "--porcelain", "--untracked-files=no", "--", "continual_blr", "configs", "benchmarks")
+    commit, source = _git("rev-parse", "HEAD"), "git"
+    dirty = None if status is None else bool(status)
+    if commit is None and os.environ.get("CONTINUAL_BLR_COMMIT"):
+        commit, source = os.environ["CONTINUAL_BLR_COMMIT"], "env"
+        flag = os.environ.get("CONTINUAL_BLR_DIRTY")
+        dirty = None if flag not in ("0", "1") else flag == "1"
     dev = cpu_model()
     if str(device).startswith("cuda") and torch.cuda.is_available():
         dev = torch.cuda.get_device_name(torch.device(device))
-    return {"commit": _git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status),
+    return {"commit": commit, "dirty": dirty, "commit_source": source if commit else None,
             "library_hash": process_library_hash(),
             "versions": {"python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__,
                          "scikit-learn": sk},

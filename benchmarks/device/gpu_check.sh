@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# First call on a lent GPU machine (see benchmarks/device/README.md): the CUDA tests, the training-step speed on
+# the GPU, and whether this image can decode the lossless WebP parts of CIFAR-10. Writes under $OUT.
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+python3 -c "import torch, PIL, PIL.features as f; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), 'pillow', PIL.__version__, 'webp', f.check('webp'))"
+nproc
+python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$OUT/test_cuda.log" | tail -15
+python3 benchmarks/perf_train.py --device cuda --steps 30 --warmup 5 --out "$OUT/perf_train_cuda.md" 2>/dev/null | grep -E "^\||^\*"

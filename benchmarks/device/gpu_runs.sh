@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Second call on the same warm GPU machine (see benchmarks/device/README.md): rebuild CIFAR-10 from the two WebP
+# parts (hash-checked), then run the jobs of $JOBS ("benchmark:method:seed" separated by spaces) side by side on
+# the one GPU, each a `benchmarks/reproduce.py` process with its own records folder, each stopped after $LIMIT
+# seconds. The records and logs come back as $OUT/records.tgz and $OUT/logs.tgz.
+# Needs CONTINUAL_BLR_COMMIT (the commit the working tree was sent from; the copy has no .git).
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CONTINUAL_BLR_DATA=/tmp/data CONTINUAL_BLR_DIRTY=${CONTINUAL_BLR_DIRTY:-0}
+LIMIT=${LIMIT:-420}
+python3 benchmarks/device/cifar10_webp.py unpack --parts .devdata_a .devdata_b --root /tmp/data || exit 3
+mkdir -p /tmp/rec /tmp/logs
+for job in $JOBS; do
+  IFS=: read -r bench method seed <<< "$job"
+  tag=$(echo "$bench-$method-$seed" | tr / _)
+  timeout "$LIMIT" python3 benchmarks/reproduce.py "$bench" --methods "$method" --seeds "$seed" --device cuda \
+    --threads 1 --no-progress --runs-dir /tmp/rec/"$tag" --results-dir /tmp/rec/"$tag"/results \
+    > /tmp/logs/"$tag".log 2>&1 &
+done
+start=$SECONDS
+while [ -n "$(jobs -r)" ]; do
+  sleep 20; echo "t=$((SECONDS - start))s running=$(jobs -r | wc -l) $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader)"
+done
+wait
+find /tmp/rec -name "*.json" | sort
+tar czf "$OUT/records.tgz" -C /tmp/rec . ; tar czf "$OUT/logs.tgz" -C /tmp/logs .
+grep -h -i -E "error|Traceback" /tmp/logs/*.log | head -20
