@@ -5,9 +5,10 @@ run's ``StreamResult`` (accuracy matrix, metrics, the run config), its cost (``w
 start) and its provenance (:func:`provenance`):
 
 * ``commit`` — ``git rev-parse HEAD`` of the checkout, and ``dirty`` — whether tracked files under
-  ``continual_blr/``, ``configs/`` or ``benchmarks/`` differed from that commit when the run started. A copy with no
-  ``.git`` (a GPU machine that receives the working tree alone) takes them from ``CONTINUAL_BLR_COMMIT`` and
-  ``CONTINUAL_BLR_DIRTY`` (``0``/``1``) set by whoever sent it, and the record says so (``commit_source``: ``env``);
+  ``continual_blr/``, ``configs/`` or ``benchmarks/`` differed from that commit when the run started. Where
+  ``CONTINUAL_BLR_COMMIT`` (and ``CONTINUAL_BLR_DIRTY``, ``0``/``1``) is set, it wins over git: a copy sent to a
+  GPU machine may carry an older checkout's ``.git``, and the sender knows which commit it sent. The record says
+  where the commit came from (``commit_source``: ``git`` or ``env``);
 * ``library_hash`` — the SHA-256 of every ``continual_blr/**/*.py`` file's path and bytes (:func:`library_hash`);
 * ``versions`` — Python, torch, numpy, scikit-learn; ``device`` — the CPU model (or the CUDA device's name);
 * ``resolved_params`` — the method's parameters with every default filled in.
@@ -95,7 +96,7 @@ def provenance(device: str = "cpu") -> dict[str, Any]:
     status = _git("status", "--porcelain", "--untracked-files=no", "--", "continual_blr", "configs", "benchmarks")
     commit, source = _git("rev-parse", "HEAD"), "git"
     dirty = None if status is None else bool(status)
-    if commit is None and os.environ.get("CONTINUAL_BLR_COMMIT"):
+    if os.environ.get("CONTINUAL_BLR_COMMIT"):  # the sender knows; a copied .git may be an older checkout's
         commit, source = os.environ["CONTINUAL_BLR_COMMIT"], "env"
         flag = os.environ.get("CONTINUAL_BLR_DIRTY")
         dirty = None if flag not in ("0", "1") else flag == "1"

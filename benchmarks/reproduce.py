@@ -324,7 +324,14 @@ def write_report(benchmark: str, scenario: str, records: dict[str, list[dict]], 
         commits = ", ".join(sorted({(r.get("commit") or "?")[:8] + ("+dirty" if r.get("dirty") else "") for r in recs}))
         lines.append(f"| {method} | {m:.2f} ± {s:.2f} | {len(recs)} ({seeds}) | {scenario} | {_memory_cell(recs[0])} | "
                      f"{wall:.0f} | {cpu} | {fg:.2f} | {ref_s} | {diff} | {libs} | {commits} |")
-    loads = [r["load_at_start"] for recs in records.values() for r in recs if isinstance(r.get("load_at_start"), (int, float))]
+    gpu = sorted({f"{r.get('device')} (torch {r.get('versions', {}).get('torch')})" for recs in records.values()
+                  for r in recs if str((r.get("config") or {}).get("device", "cpu")).startswith("cuda")})
+    if gpu:
+        lines += ["", f"Runs on a GPU ({', '.join(gpu)}), lent for one session, several runs side by side on the one "
+                  "GPU: wall / run and CPU / run are those of a run sharing the GPU with the others, not of a run alone. "
+                  "Std over seeds is the sample std (0 with one seed)."]
+    loads = [r["load_at_start"] for recs in records.values() for r in recs if isinstance(r.get("load_at_start"), (int, float))
+             and not str((r.get("config") or {}).get("device", "cpu")).startswith("cuda")]
     if loads:
         lines += ["", f"Wall times measured on a shared 2-core CPU (1-minute load average at run start "
                   f"{min(loads):.1f}–{max(loads):.1f}, our runs at nice 10), so wall time is inflated by other users' jobs; CPU / run is "

@@ -1,4 +1,4 @@
-"""Summarise the split CIFAR-10 runs into ``benchmarks/results/split_cifar10.md``.
+"""Summarise the split CIFAR-10 runs into ``benchmarks/results/split_cifar10_cpu_budget.md``.
 
 The runs themselves are made by the shared drivers (stored under ``benchmarks/runs/``, not committed):
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--protocol", default="cpu_budget", help="folder under configs/split_cifar10 (cpu_budget, ...)")
     ap.add_argument("--device", default="CPU, 1 torch thread (shared 2-core machine)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "split_cifar10.md"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "split_cifar10_cpu_budget.md"))
     args = ap.parse_args(argv)
     text = report(args.protocol, args.device)
     out = Path(args.out)

@@ -138,6 +138,25 @@ def test_records_hold_provenance_and_a_stale_record_is_rerun(tmp_path, monkeypat
     assert calls == [1]  # stale: rerun
 
 
+def test_provenance_takes_the_sent_commit_over_a_copied_git(monkeypatch):
+    """On a machine that received a copy of the tree (a GPU machine), CONTINUAL_BLR_COMMIT / _DIRTY name the commit
+    that was sent; they win over whatever ``.git`` came along, and the record says where the commit came from."""
+    reproduce = _load_reproduce()
+    rr = reproduce.run_records
+    monkeypatch.delenv("CONTINUAL_BLR_COMMIT", raising=False)
+    assert rr.provenance()["commit_source"] in ("git", None)
+    monkeypatch.setenv("CONTINUAL_BLR_COMMIT", "a" * 40)
+    monkeypatch.setenv("CONTINUAL_BLR_DIRTY", "0")
+    prov = rr.provenance()
+    assert (prov["commit"], prov["dirty"], prov["commit_source"]) == ("a" * 40, False, "env")
+    monkeypatch.setenv("CONTINUAL_BLR_DIRTY", "1")
+    assert rr.provenance()["dirty"] is True
+    monkeypatch.setattr(rr, "_git", lambda *a: None)  # no git at all
+    monkeypatch.setenv("CONTINUAL_BLR_DIRTY", "maybe")
+    prov = rr.provenance()
+    assert (prov["commit"], prov["dirty"]) == ("a" * 40, None)
+
+
 def test_tables_are_generated_from_records_alone_and_checked(tmp_path):
     """tables.py rebuilds a table from its records; --check passes on it and fails once a row is edited by hand."""
     reproduce = _load_reproduce()

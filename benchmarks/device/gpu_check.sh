@@ -2,6 +2,8 @@
 # First call on a lent GPU machine (see benchmarks/device/README.md): the CUDA tests, the training-step speed on
 # the GPU, and whether this image can decode the lossless WebP parts of CIFAR-10. Writes under $OUT.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+# part a of CIFAR-10 (carry .devdata_a) is kept outside the tree: a later call that carries .devdata_b removes it
+if [ -d .devdata_a ]; then mkdir -p /tmp/devdata_a && cp .devdata_a/* /tmp/devdata_a/; fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, PIL, PIL.features as f; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), 'pillow', PIL.__version__, 'webp', f.check('webp'))"
 nproc

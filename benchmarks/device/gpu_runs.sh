@@ -6,7 +6,7 @@
 # Needs CONTINUAL_BLR_COMMIT (the commit the working tree was sent from; the copy has no .git).
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CONTINUAL_BLR_DATA=/tmp/data CONTINUAL_BLR_DIRTY=${CONTINUAL_BLR_DIRTY:-0}
 LIMIT=${LIMIT:-420}
-python3 benchmarks/device/cifar10_webp.py unpack --parts .devdata_a .devdata_b --root /tmp/data || exit 3
+python3 benchmarks/device/cifar10_webp.py unpack --parts /tmp/devdata_a .devdata_b --root /tmp/data || exit 3
 mkdir -p /tmp/rec /tmp/logs
 for job in $JOBS; do
   IFS=: read -r bench method seed <<< "$job"
