@@ -1,0 +1,183 @@
+"""Where the Price BLR step's time goes, and the floor its per-weight work puts under it, against an Adam step.
+
+Run (one torch thread; ratios are measured in the same run, the settings interleaved round by round):
+
+    python benchmarks/perf_price_floor.py               # prints the table, writes benchmarks/results/perf_price_floor.md
+    python benchmarks/perf_price_floor.py --rounds 3 --calls 50 --no-write
+
+Setting: the split-MNIST BLR network (MLP 784-256-256, five 2-way heads, 269,322 weights), minibatch 128 of
+uniform pixels, the ``blr_price.yaml`` step (Price estimate, fused update, one weight sample per step) against
+the ``none`` step (Adam on the mean cross-entropy). Besides the two whole steps (``loop.train_step``) it times
+the pieces that a Price step does and an Adam step does not, each on its own with the same sizes:
+
+* ``randn`` — one Gaussian draw per weight with a ``torch.Generator`` (the weight sample ε);
+* ``sample`` — θ = m + ε ⊙ (S₀ + D)^{-1/2} given ε (``rsqrt`` and ``addcmul``);
+* ``fused update`` — :func:`continual_blr.optim.diag_state.fused_diag_update` on flat vectors (reads g, m, m₀,
+  S₀, D, D̄, u, ε, r; writes m, u, D, D̄, S);
+* ``Adam update`` — ``torch.optim.Adam.step`` on the same weights with gradients in place;
+* ``functional fwd+bwd`` — ``torch.func.functional_call`` + ``autograd.grad`` + concatenation (how the BLR
+  evaluates a sample), against ``module fwd+bwd`` (the module's own forward and ``backward`` into ``.grad``);
+* ``eval/train toggle`` — ``model.eval()`` and ``model.train()`` (``loop.train_step`` switches dropout off around
+  every BLR step).
+
+The **floor** is the time a Price step cannot go below without a cheaper generator or a cheaper update:
+module fwd+bwd + randn + sample + fused update, over the Adam step. What the whole Price step spends above its
+floor is Python and bookkeeping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+from continual_blr.data.stream import Task
+from continual_blr.loop import train_step
+from continual_blr.methods import TrainConfig, build_method
+from continual_blr.models import build_model
+from continual_blr.optim.diag_state import fused_diag_update
+from continual_blr.types import Batch
+
+ROOT = Path(__file__).resolve().parent.parent
+BATCH = 128
+PRICE = {"clip_radius": 0.03, "curvature": "price", "init_hess": 0.01, "carry": "ggn", "carry_examples": 2000,
+         "fused_step": True, "rho": 0.01, "temperature": 0.0003}  # configs/split_mnist/blr_price.yaml
+TARGET = 1.5  # issue 23: the table's BLR run <= 1.5 x none, end to end
+
+
+def _model(seed: int = 0):
+    return build_model("mlp", (784,), 2, 5, hidden=(256, 256), generator=torch.Generator().manual_seed(seed))
+
+
+def _step(name: str, params: dict, lr: float = 1e-4):
+    g = torch.Generator().manual_seed(0)
+    model = _model()
+    x = torch.rand(BATCH * 20, 784, generator=g)
+    y = torch.randint(0, 2, (BATCH * 20,), generator=g)
+    task = Task(0, x, y, x[:8], y[:8], (0, 1), name="t0")
+    train = TrainConfig(batch_size=BATCH, lr=lr)
+    model.train()
+    method = build_method(name, params, seed=0)
+    method.setup(model, None, train)  # type: ignore[arg-type]
+    method.on_task_start(model, task)
+    opt = method.make_optimizer(model, task, train)
+    batches = [Batch(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH], 0) for i in range(20)]
+    state = {"i": 0}
+
+    def run():
+        state["i"] += 1
+        train_step(model, method, opt, batches[state["i"] % 20], task, train)
+    return run
+
+
+def pieces() -> dict:
+    """name -> zero-argument callable, one for each piece of the module docstring."""
+    model = _model().eval()
+    plist = list(model.parameters())
+    n = sum(p.numel() for p in plist)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.rand(BATCH, 784, generator=g), torch.randint(0, 2, (BATCH,), generator=g)
+    vec = [torch.rand(n, generator=g) + 0.5 for _ in range(10)]
+    gr, h, mean, m0, s0, data, avg, mom, eps, r = vec
+    kw = dict(positivity=True, h_from_sample=True, momentum=True, clip=True, damping=False, fresh=True, separate=True)
+    scalars = tuple(torch.tensor(v) for v in (0.1, 0.01, 0.01, 1.0, 1e-4, 0.03, 0.0))
+    update = fused_diag_update()
+    adam_model = _model()
+    adam = torch.optim.Adam(adam_model.parameters(), lr=1e-4)
+    for p in adam_model.parameters():
+        p.grad = torch.rand(p.shape, generator=g) * 1e-3
+    names = [k for k, _ in model.named_parameters()]
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+
+    def functional():
+        leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+        out = functional_call(model, leaves, (x,), {"head": 0})
+        grads = torch.autograd.grad(F.cross_entropy(out, y, reduction="none").sum(), [leaves[k] for k in names],
+                                    allow_unused=True)
+        return torch.cat([(gk if gk is not None else torch.zeros_like(leaves[k])).reshape(-1)
+                          for gk, k in zip(grads, names)])
+
+    mod = _model()
+
+    def module():
+        mod.zero_grad(set_to_none=False) if plist[0].grad is not None else None
+        F.cross_entropy(mod(x, head=0), y).backward()
+
+    def toggle():
+        mod.eval()
+        mod.train()
+    return {"randn": lambda: torch.randn(n, generator=g), "sample": lambda: torch.addcmul(mean, eps, torch.rsqrt(s0)),
+            "fused update": lambda: update(gr, h, mean, m0, s0, data, avg, mom, eps, r, *scalars, **kw),
+            "Adam update": adam.step, "functional fwd+bwd": functional, "module fwd+bwd": module,
+            "eval/train toggle": toggle}, n
+
+
+def measure(rounds: int, calls: int) -> tuple[dict, int]:
+    """Median CPU ms per call of each whole step and piece, interleaved round by round."""
+    fns, n = pieces()
+    fns = {"none step": _step("none", {}), "price step": _step("blr", PRICE)} | fns
+    for f in fns.values():
+        for _ in range(10):
+            f()
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            c0 = time.process_time()
+            for _ in range(calls):
+                f()
+            cpu[k].append((time.process_time() - c0) / calls * 1e3)
+        print("  round done", file=sys.stderr, flush=True)
+    return {k: statistics.median(v) for k, v in cpu.items()}, n
+
+
+def report(ms: dict, n: int, rounds: int, calls: int, command: str) -> str:
+    none, price = ms["none step"], ms["price step"]
+    floor = ms["module fwd+bwd"] + ms["randn"] + ms["sample"] + ms["fused update"]
+    lines = ["# The Price BLR step: where its time goes, and its floor", "", "Produced by:", "", "```", command, "```", "",
+             f"{n:,} weights (MLP 784-256-256, five 2-way heads), minibatch {BATCH}; median CPU ms per call over "
+             f"{rounds} rounds of {calls} calls, every row interleaved in each round; 1 torch thread; "
+             f"{platform.machine()}, torch {torch.__version__}. The machine is shared: read the ratios, which are "
+             "measured in the same run.", "",
+             "| what | CPU ms / call | × the none step |", "|---|---|---|"]
+    for k, v in ms.items():
+        lines.append(f"| {k} | {v:.3f} | {v / none:.2f} |")
+    lines += ["", f"* Price step / none step: **{price / none:.2f} ×**.",
+              f"* Floor of the Price step (module fwd+bwd + randn + sample + fused update): {floor:.2f} ms = "
+              f"**{floor / none:.2f} ×** the none step; the Price step spends {price - floor:.2f} ms above it "
+              "(functional call, concatenation, eval/train toggle, per-parameter views, guards).",
+              f"* The Gaussian draw alone is {ms['randn'] / none:.2f} × a none step "
+              f"({1e6 * ms['randn'] / 1e3 / n:.1f} ns per weight), the fused update "
+              f"{ms['fused update'] / ms['Adam update']:.2f} × Adam's update.",
+              f"* Issue 23's target is {TARGET} × none end to end; a whole run adds the same evaluation and data work to "
+              "both, which dilutes the step ratio toward 1 (see `perf_blr_end_to_end_split_mnist.md`)."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=100)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args(argv)
+    if args.rounds < 1 or args.calls < 1 or args.threads < 1:
+        ap.error("--rounds, --calls and --threads must be >= 1")
+    torch.set_num_threads(args.threads)
+    ms, n = measure(args.rounds, args.calls)
+    command = "python " + " ".join(["benchmarks/perf_price_floor.py", *sys.argv[1:]])
+    text = report(ms, n, args.rounds, args.calls, command)
+    print(text)
+    if not args.no_write:
+        (ROOT / "benchmarks" / "results" / "perf_price_floor.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
