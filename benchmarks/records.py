@@ -18,11 +18,21 @@ to any module of the package makes every record stale (a deliberately coarse rul
 may change a number, and a finer rule would have to know which modules a run imported). ``reproduce.py`` reuses a
 stored record only while it is current and made with the same method settings; otherwise it runs again. Tables are
 generated from records alone (current or not), and state, per row, whether its records are current.
+
+**Checked equivalence.** A library change that should not move any number (a faster path computing the same
+operations, a new CLI flag) would still make every record stale. ``benchmarks/check_equivalence.py`` tests that
+claim instead of trusting it: for one records folder (one table) it reruns, on the library as it is now, the lowest
+seed of every row made on an older library A, and only if every rerun gives the **same accuracy matrix to the last
+bit** and the same resolved parameters does it declare, in ``<records>/equivalent_libraries.json``, that A's
+records of that folder give the current library's numbers. A record of that folder made on A then counts as
+current (:func:`is_current` with ``folder``); declarations chain (A → B → C). The check is a sample (one seed per
+row), so the declaration says which runs were compared; a change that alters any checked run is never declared.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
 import subprocess
@@ -110,6 +120,34 @@ def provenance(device: str = "cpu") -> dict[str, Any]:
             "device": dev}
 
 
-def is_current(record: dict[str, Any], current_hash: str | None = None) -> bool:
-    """Whether ``record`` ran on the library as it is now (see the module docstring)."""
-    return record.get("library_hash") == (current_hash or library_hash())
+EQUIVALENCES = "equivalent_libraries.json"  # under a records folder's root (RECORDS_DIR for the committed records)
+
+
+def declarations(records_dir: Path = RECORDS_DIR) -> list[dict[str, Any]]:
+    """The checked equivalence declarations of ``records_dir`` (see the module docstring); [] if none."""
+    path = Path(records_dir) / EQUIVALENCES
+    return json.loads(path.read_text())["declarations"] if path.is_file() else []
+
+
+def equivalent_hashes(current: str, folder: str, records_dir: Path = RECORDS_DIR) -> set[str]:
+    """``current`` and every library hash declared, directly or through a chain, to give the same numbers as
+    ``current`` for the records folder ``folder`` (``<benchmark>/<scenario>/<mode>``, relative to ``records_dir``)."""
+    decls = [d for d in declarations(records_dir) if folder in d["folders"]]
+    out, grew = {current}, True
+    while grew:
+        grew = False
+        for d in decls:
+            if d["to"] in out and d["from"] not in out:
+                out.add(d["from"])
+                grew = True
+    return out
+
+
+def is_current(record: dict[str, Any], current_hash: str | None = None, folder: str | None = None,
+               records_dir: Path = RECORDS_DIR) -> bool:
+    """Whether ``record`` ran on the library as it is now, or (with ``folder``, the records folder it lies in) on
+    a library checked to give the same numbers for that folder (see the module docstring)."""
+    current = current_hash or library_hash()
+    if record.get("library_hash") == current:
+        return True
+    return folder is not None and record.get("library_hash") in equivalent_hashes(current, folder, records_dir)

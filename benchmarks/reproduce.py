@@ -139,7 +139,8 @@ def run_one(benchmark: str, method: str, seed: int, args: argparse.Namespace, ru
         stored = json.loads(path.read_text())
         if not _same_method(stored, cfg):
             tqdm.write(f"{method} seed {seed}: stored run has other method settings than {method}.yaml; rerunning")
-        elif not run_records.is_current(stored):
+        elif not run_records.is_current(stored, folder=path.parent.relative_to(runs_dir).as_posix(),
+                                        records_dir=runs_dir):
             tqdm.write(f"{method} seed {seed}: stored run ran on another version of the library "
                        f"({stored.get('library_hash')}); rerunning")
         else:

@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         for benchmark, scenario, quick, validation in found:
             recs = reproduce.collect_records(records_dir, benchmark, scenario, quick, validation)
             for method, rs in recs.items():
-                stale = [r["seed"] for r in rs if not run_records.is_current(r, current)]
+                folder = reproduce._runs_folder(records_dir, benchmark, scenario, quick, validation)
+                stale = [r["seed"] for r in rs if not run_records.is_current(
+                    r, current, folder.relative_to(records_dir).as_posix(), records_dir)]
                 state = f"stale seeds {stale}" if stale else "current"
                 print(f"{benchmark}/{scenario}/{'quick' if quick else 'full'}{validation or ''} {method}: "
                       f"{len(rs)} records, {state}")

@@ -7,6 +7,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -399,3 +400,70 @@ def test_reproduce_keeps_rows_whose_runs_are_not_stored_here(tmp_path):
     assert "--methods none" in report and "/old/machine" not in report  # the kept row's command, no machine path
     reproduce.main(_args(tmp_path, "--methods", "fromp", "--seeds", "0"))
     assert "| none |" not in out.read_text()
+
+
+def _load_check_equivalence():
+    spec = importlib.util.spec_from_file_location("check_equivalence", ROOT / "benchmarks" / "check_equivalence.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_checked_equivalence_keeps_records_current_only_when_every_rerun_is_bitwise_equal(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """After a library change, check_equivalence reruns the lowest seed of every row on the new library; equal
+    accuracy matrices declare the old library's records of that folder current (reproduce then reuses them, a
+    folder not checked stays stale); a rerun that differs by one bit declares nothing and the records are rerun."""
+    reproduce = _load_reproduce()
+    check = _load_check_equivalence()
+    rr = check.run_records
+    _tiny_configs(tmp_path)
+    runs = tmp_path / "runs"
+    reproduce.main(_args(tmp_path, "--methods", "none", "ewc", "--seeds", "0", "1"))
+    old = rr.library_hash()
+    folder = "tiny/task/full"
+    rec = json.loads((runs / folder / "ewc_seed1.json").read_text())
+    for mod in (rr, reproduce.run_records):  # the library "changed": its hash is now another one
+        monkeypatch.setattr(mod, "library_hash", lambda root=None: "f" * 16)
+        monkeypatch.setattr(mod, "_PROCESS_HASH", {})
+    assert not rr.is_current(rec, folder=folder, records_dir=runs)
+    args = ["--records-dir", str(runs), "--configs-dir", str(tmp_path / "configs")]
+    import continual_blr.runner as runner
+
+    real = runner.run_config
+
+    def perturbed(*a, **k):  # the "new library" moves one entry of the accuracy matrix by one ulp
+        results = real(*a, **k)
+        results[0].acc_matrix[-1][-1] = float(np.nextafter(results[0].acc_matrix[-1][-1], 2.0))
+        return results
+
+    monkeypatch.setattr(runner, "run_config", perturbed)
+    check.main([folder, *args])
+    assert "DIFFERENT" in capsys.readouterr().out and not (runs / rr.EQUIVALENCES).exists()
+    monkeypatch.setattr(runner, "run_config", real)
+    check.main([folder, *args])
+    out = capsys.readouterr().out
+    assert "ewc seed 0: same" in out and "none seed 0: same" in out
+    decl = rr.declarations(runs)
+    assert [(d["from"], d["to"], d["folders"]) for d in decl] == [(old, "f" * 16, [folder])]
+    assert sorted(decl[0]["checked"][folder]) == ["ewc_seed0", "none_seed0"]
+    assert rr.is_current(rec, folder=folder, records_dir=runs)  # seed 1 was not rerun, yet is current
+    assert not rr.is_current(rec, folder="tiny/class/full", records_dir=runs)  # only the checked folder
+    calls = []
+    monkeypatch.setattr(runner, "run_config", lambda *a, **k: calls.append(1) or real(*a, **k))
+    reproduce.main(_args(tmp_path, "--methods", "none", "ewc", "--seeds", "0", "1"))
+    assert calls == []  # every record reused
+
+
+def test_equivalence_declarations_chain_within_their_folder(tmp_path):
+    """A → B and B → C declared for one folder make A's and B's records of that folder current under C; a chain
+    broken by a declaration for another folder does not."""
+    rr = _load_reproduce().run_records
+    decls = [{"from": "a", "to": "b", "folders": ["x/task/full"]}, {"from": "b", "to": "c", "folders": ["x/task/full"]},
+             {"from": "z", "to": "a", "folders": ["y/task/full"]}]
+    (tmp_path / rr.EQUIVALENCES).write_text(json.dumps({"declarations": decls}))
+    assert rr.equivalent_hashes("c", "x/task/full", tmp_path) == {"a", "b", "c"}
+    assert rr.equivalent_hashes("c", "y/task/full", tmp_path) == {"c"}
+    assert rr.is_current({"library_hash": "a"}, "c", "x/task/full", tmp_path)
+    assert not rr.is_current({"library_hash": "z"}, "c", "x/task/full", tmp_path)
+    assert not rr.is_current({"library_hash": "a"}, "c", None, tmp_path)  # no folder: the strict rule

@@ -1,0 +1,123 @@
+"""Check that the library as it is now gives the same numbers as the one older records ran on, and say so.
+
+Run:
+
+    python benchmarks/check_equivalence.py split_mnist/task/full --data-dir $CONTINUAL_BLR_DATA
+    python benchmarks/check_equivalence.py --all --data-dir $CONTINUAL_BLR_DATA      # every reproduce folder
+
+For each records folder named (``<benchmark>/<scenario>/<mode>`` under ``benchmarks/records/``) and each older
+library hash A its records ran on (not current and not yet declared equivalent), the lowest seed of every row
+(method) made on A is run again on the current library, with the same config file, into a scratch folder (the
+committed record is not touched). If every rerun gives the same accuracy matrix **bit for bit** and the same
+resolved parameters, a declaration ``A → current`` for that folder is appended to
+``benchmarks/records/equivalent_libraries.json`` with the runs it compared; the folder's records made on A are then
+current (``benchmarks/records.py``). A difference, a changed config or a run that needs a device this machine lacks
+declares nothing and is printed. Split digits' tables (their own records layout) and searches are not covered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts (benchmarks/ is not a package)
+import records as run_records  # noqa: E402
+import reproduce  # noqa: E402
+
+
+def folders(records_dir: Path) -> list[str]:
+    """Every reproduce-style records folder (``<benchmark>/<scenario>/<mode>``) holding records."""
+    out = []
+    for f in sorted(records_dir.glob("*/*/*")):
+        if f.is_dir() and f.parts[-3] not in ("split_digits", "search") and any(f.glob("*_seed*.json")):
+            out.append(f.relative_to(records_dir).as_posix())
+    return out
+
+
+def _mode(mode: str) -> tuple[bool, float]:
+    quick = mode.startswith("quick")
+    validation = float(mode.partition("_validation")[2] or 0.0)
+    return quick, validation
+
+
+def check_folder(records_dir: Path, folder: str, args: argparse.Namespace, current: str) -> list[dict]:
+    """The declarations this folder earns (one per older library hash whose every checked rerun matched)."""
+    benchmark, scenario, mode = folder.split("/")
+    quick, validation = _mode(mode)
+    recs = [json.loads(p.read_text()) | {"_name": p.stem} for p in sorted((records_dir / folder).glob("*_seed*.json"))]
+    older = sorted({r.get("library_hash") for r in recs} - run_records.equivalent_hashes(current, folder, records_dir)
+                   - {None})
+    made = []
+    for old in older:
+        rows: dict[str, dict] = {}
+        for r in sorted((r for r in recs if r.get("library_hash") == old), key=lambda r: r["seed"]):
+            rows.setdefault(r.get("method_name") or r["method"], r)
+        checked, ok = [], True
+        for method, rec in sorted(rows.items()):
+            if str((rec.get("config") or {}).get("device", "cpu")).startswith("cuda") and args.device == "cpu":
+                print(f"{folder} {method}: ran on {rec.get('device')}; not rerun here (--device)")
+                ok = False
+                break
+            ns = argparse.Namespace(configs_dir=args.configs_dir, scenario=scenario, data_dir=args.data_dir,
+                                    validation=validation, device=args.device, quick=quick, no_progress=True,
+                                    force=True)
+            with tempfile.TemporaryDirectory() as tmp:
+                new = reproduce.run_one(benchmark, method, rec["seed"], ns, Path(tmp), "check_equivalence")
+            same_config = (new.get("config") or {}).get("method") == (rec.get("config") or {}).get("method")
+            same = same_config and new["acc_matrix"] == rec["acc_matrix"] and \
+                new.get("resolved_params") == rec.get("resolved_params")
+            print(f"{folder} {method} seed {rec['seed']}: {'same' if same else 'DIFFERENT'} "
+                  f"({100 * rec['avg_acc']:.2f} on {old[:8]}, {100 * new['avg_acc']:.2f} now"
+                  f"{'' if same_config else '; the config changed'})", flush=True)
+            checked.append(f"{method}_seed{rec['seed']}")
+            if not same:
+                ok = False
+                break
+        if ok and checked:
+            made.append({"from": old, "to": current, "folders": [folder], "checked": {folder: checked},
+                         "date": datetime.date.today().isoformat(), "commit": run_records.provenance()["commit"]})
+    return made
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("folders", nargs="*", help="records folders, <benchmark>/<scenario>/<mode>")
+    ap.add_argument("--all", action="store_true", help="every reproduce records folder")
+    ap.add_argument("--records-dir", default=str(run_records.RECORDS_DIR))
+    ap.add_argument("--configs-dir", default=str(reproduce.ROOT / "configs"))
+    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+    records_dir = Path(args.records_dir)
+    known = folders(records_dir)
+    names = known if args.all else args.folders
+    if not names:
+        ap.error("name records folders or give --all; folders here: " + (", ".join(known) or "none"))
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        ap.error(f"no records folder {unknown[0]!r}; allowed: {', '.join(known) or 'none'}")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    current = run_records.library_hash()
+    made = []
+    for folder in names:
+        made += check_folder(records_dir, folder, args, current)
+    if made:
+        path = records_dir / run_records.EQUIVALENCES
+        decls = run_records.declarations(records_dir) + made
+        path.write_text(json.dumps({"declarations": decls}, indent=1) + "\n")
+        print(f"declared {len(made)} equivalence(s) in {path}")
+    else:
+        print("declared nothing")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
