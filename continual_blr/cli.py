@@ -111,6 +111,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 _RESUME_KEEPS = ("device", "data_dir", "threads", "no_progress", "tensorboard")
 _RESUME_REFUSES = {"config": "CONFIG", "method": "--method", "seed": "--seed", "seeds": "--seeds", "out": "--out",
                    "epochs": "--epochs", "validation": "--validation", "quick": "--quick", "overwrite": "--overwrite",
+                   "scenario": "--scenario",
                    "imports": "--import", "precision": "--precision", "channels_last": "--channels-last"}
 
 
@@ -197,6 +198,7 @@ def _attribute_docs(doc: str) -> dict[str, str]:
 def _build_config(args: argparse.Namespace):
     """The RunConfig of ``args`` (config file + flags), or a string error for :func:`_fail`."""
     from .config import MethodConfig, RunConfig, check_seed, from_dict
+    from .data.stream import SCENARIOS
     from .methods import METHODS
 
     data = _read_yaml(args.config) if args.config else {}
@@ -219,6 +221,10 @@ def _build_config(args: argparse.Namespace):
         cfg.seed = check_seed(args.seed)
     if args.out is not None:
         cfg.out = args.out
+    if args.scenario is not None:
+        if args.scenario not in SCENARIOS:
+            return f"--scenario: got {args.scenario!r}; allowed: {', '.join(SCENARIOS)}"
+        cfg.stream.scenario = args.scenario
     if args.validation is not None:
         from .data.builders import check_validation
 
@@ -460,6 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", metavar="DIR", help="continue the interrupted run in DIR (finished methods are kept)")
     run.add_argument("--data-dir", help="data root (default: $CONTINUAL_BLR_DATA or ~/.cache/continual_blr/data)")
     run.add_argument("--epochs", type=int, help="override train.epochs")
+    run.add_argument("--scenario", metavar="{task,class,domain}",
+                     help="override stream.scenario: task (a head per task), class (one head over all classes) or "
+                          "domain (one head, the same labels in every task); each stream allows some of them")
     run.add_argument("--validation", type=float, metavar="FRACTION",
                      help="evaluate on this held-out fraction of each task's training data instead of the test set "
                           "(stream.validation; for choosing hyper-parameters)")

@@ -222,7 +222,7 @@ def test_ivon_is_the_price_blr_and_carries_its_posterior_divided_by_t():
     torch.set_num_threads(1)
     stream = make_stream("synthetic", scenario="task", n_tasks=2, n_train=40, n_test=20, n_features=5, seed=3)
     model = build_model("mlp", (5,), stream.n_outputs, stream.n_heads, hidden=(8,), generator=torch.Generator().manual_seed(0))
-    method = build_method("ivon", {"temperature": 0.5, "hess_init": 0.02, "carry": "average"}, seed=0)
+    method = build_method("ivon", {"temperature": 0.5, "hess_init": 0.02, "carry": "average", "ess_factor": 20.0}, seed=0)
     train = TrainConfig(epochs=3, batch_size=16)
     snap = {}
     end = method.on_task_end
@@ -350,3 +350,60 @@ def test_ggn_carry_is_diagonal_only():
         build_method("blr", {"carry": "mean"})
     with pytest.raises(ValueError, match="params.carry_examples"):
         build_method("ivon", {"carry": "ggn", "carry_examples": 0})
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
+def test_price_module_path_equals_the_closure_path(gen, fused):
+    """The diagonal Price step's module path (θ written into the weights, the model's own forward, one backward
+    into flat gradient views) is the closure path (``functional_call`` at θ) to the last bit: after 6 steps
+    over two of three heads from the same state and weight samples, the mean, D, D̄, the momentum, the weights and
+    the losses are equal (the third head, which no batch used, included). Also with a bf16 autocast closure."""
+    base = MLP(5, (6,), 3, 3)
+    x = torch.randn(16, 5, generator=gen)
+    y = torch.randint(0, 3, (16,), generator=gen)
+    prior = DiagPosterior({k: 0.1 * torch.randn(p.shape, generator=gen) for k, p in base.named_parameters()}, 2.0)
+    for dtype in (None, torch.bfloat16):
+        states = []
+        for module_step in (False, True):
+            model = copy.deepcopy(base)
+            opt = BayesianLearningRule(model, prior, n_data=200, lr=0.1, rho=0.2, mc_samples=1, curvature="price",
+                                       generator=torch.Generator().manual_seed(3), fused=fused, init_hess=0.5,
+                                       clip_radius=0.05, beta1=0.9, debias=True)
+            opt.module_step = module_step
+            seen = []  # whether each forward ran on the model's own weight tensor (the module path) or on θ leaves
+            first = next(m for m in model.modules() if isinstance(m, nn.Linear))
+            hook = first.register_forward_pre_hook(lambda mod, args: seen.append(mod.weight is first_weight))
+            first_weight = first.weight
+            losses = [opt.step(BatchClosure(model, x, y, head=h, autocast_dtype=dtype)) for h in (0, 1, 0, 1, 1, 0)]
+            hook.remove()
+            assert seen == [module_step] * 6
+            post = opt.posterior()
+            weights = {k: p.detach().clone() for k, p in model.named_parameters()}
+            assert all(p.grad is None for p in model.parameters())
+            states.append((post.mean, opt.data_precision, opt._avg or {}, opt._momentum or {}, weights, losses))
+        (m_c, d_c, a_c, u_c, w_c, l_c), (m_m, d_m, a_m, u_m, w_m, l_m) = states
+        for closure_side, module_side in ((m_c, m_m), (d_c, d_m), (a_c, a_m), (u_c, u_m), (w_c, w_m)):
+            assert closure_side.keys() == module_side.keys()
+            for k in closure_side:
+                assert torch.equal(closure_side[k], module_side[k]), k
+        assert all(torch.equal(a, b) for a, b in zip(l_c, l_m))
+        assert max(float((m_m[k] - prior.mean[k]).abs().max()) for k in m_m) > 1e-3  # the run moved the mean
+
+
+def test_price_module_path_leaves_the_mean_in_the_weights_when_a_step_fails(gen):
+    """A step that diverges (the module path had written θ into the weights) raises and leaves the weights at the
+    mean they held before it, as the closure path does."""
+    model = MLP(5, (6,), 3, 1)
+    x = torch.randn(16, 5, generator=gen)
+    y = torch.randint(0, 3, (16,), generator=gen)
+    prior = DiagPosterior({k: torch.zeros_like(p) for k, p in model.named_parameters()}, 1.0)
+    opt = BayesianLearningRule(model, prior, n_data=200, lr=0.1, rho=0.2, mc_samples=1, curvature="price",
+                               generator=torch.Generator().manual_seed(3), init_hess=1e-3)
+    opt.step(BatchClosure(model, x, y))
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    bad = torch.full_like(x, float("nan"))
+    with pytest.raises(Exception):
+        opt.step(BatchClosure(model, bad, y))
+    for k, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[k]), k
+        assert p.grad is None

@@ -163,3 +163,20 @@ def test_yaml_floats_without_a_dot_are_numbers(tmp_path):
                  "train: {epochs: 1, batch_size: 20, lr: 1e-3}\nmethods: [none]\n")
     assert main(["run", str(p), "--out", str(tmp_path / "r"), "--no-progress"]) == 0
     assert json.loads((tmp_path / "r" / "results.json").read_text())["config"]["train"]["lr"] == 0.001
+
+
+def test_scenario_flag_overrides_the_config_and_refuses_what_the_stream_lacks(tmp_path, capsys):
+    """``--scenario class`` turns a task-incremental config into one head over all classes; a scenario the
+    stream does not offer, or no scenario at all, is a one-line error naming the allowed values."""
+    p = tmp_path / "c.yaml"
+    p.write_text("stream: {name: synthetic, scenario: task, options: {n_tasks: 2, n_train: 40}}\nmodel: {hidden: [8]}\n"
+                 "train: {epochs: 1, batch_size: 20}\nmethods: [none]\n")
+    assert main(["run", str(p), "--scenario", "class", "--out", str(tmp_path / "c"), "--no-progress"]) == 0
+    payload = json.loads((tmp_path / "c" / "results.json").read_text())
+    assert payload["config"]["stream"]["scenario"] == "class"
+    assert payload["results"][0]["scenario"] == "class"
+    assert main(["run", str(p), "--out", str(tmp_path / "t"), "--no-progress"]) == 0
+    assert json.loads((tmp_path / "t" / "results.json").read_text())["results"][0]["scenario"] == "task"
+    capsys.readouterr()
+    _one_line_error(capsys, ["run", str(p), "--scenario", "bogus"], "--scenario", "task, class, domain")
+    _one_line_error(capsys, ["run", "--scenario", "domain", "--method", "none"], "scenario 'domain'", "task, class")

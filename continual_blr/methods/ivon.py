@@ -39,9 +39,10 @@ __all__ = ["IVONParams", "IVONMethod"]
 class IVONParams:
     """Parameters of IVON with a carried prior (names as IVON's).
 
-    Defaults: IVON's step (β₂ 0.999, h₀ 0.01, ess 20, δ 100, clip 0.3) with ``carry: ggn`` and T = 0.001, chosen
+    Defaults: IVON's step (β₂ 0.999, h₀ 0.01, δ 100, clip 0.3) with ``carry: ggn``, T = 0.001 and ess 50, chosen
     on validation splits of split digits in the README quickstart's form
-    (``benchmarks/results/search_defaults_split_digits.md``): the carried average of one-sample Price estimates,
+    (``benchmarks/results/search_defaults_split_digits.md``; ess 50 over 20 in the redone search,
+    ``search_defaults_redo.md``): the carried average of one-sample Price estimates,
     clamped at 0 and divided by T, is precision that no data asked for (no T of the grid beat ``none`` in the
     task scenario with it); the GGN carry did, in both scenarios.
 
@@ -66,7 +67,7 @@ class IVONParams:
     """
 
     lr: float = 0.03
-    ess_factor: float = 20.0
+    ess_factor: float = 50.0
     hess_init: float = 0.01
     beta1: float = 0.9
     beta2: float = 0.999

@@ -106,7 +106,8 @@ class VCLParams:
         mc_samples: weight samples per step (the ELBO estimate for bbb, ≥ 1; VOGN's samples for vogn,
             0 being the delta method θ = μ).
         predict_samples: Monte-Carlo samples averaged at prediction (0: the mean network).
-        lr: bbb: Adam's step on μ (None: ``train.lr``); vogn: the BLR's mean step α (None: 0.05).
+        lr: bbb: Adam's step on μ (None: ``train.lr``); vogn: the BLR's mean step α (None: 0.1, chosen on
+            split digits validation: ``benchmarks/results/search_defaults_redo.md``).
         log_var_lr: bbb only: Adam's step on log σ² (module docstring; None: the same as ``lr``).
         rho: vogn only: the precision rate ρ.
         beta1: vogn only: momentum on the mean direction.
@@ -237,7 +238,7 @@ class VCLMethod(Method):
             structure="diag",
             prior_precision=p.prior_precision,
             init_precision=math.exp(-p.init_log_variance),
-            lr=p.lr if p.lr is not None else 0.05,
+            lr=p.lr if p.lr is not None else 0.1,
             rho=p.rho,
             beta1=p.beta1,
             mc_samples=p.mc_samples,

@@ -256,6 +256,9 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
         self.names = list(prior.mean)
         params = [named[k] for k in self.names]
         self._param_list = params  # the covered parameters in ``names`` order (rebuilt with the optimiser)
+        # the module path of the diagonal Price step needs every trainable weight covered (diag_step)
+        self._covers_all = {id(p) for p in model.parameters() if p.requires_grad} == {id(p) for p in params}
+        self.module_step = True  # False: always evaluate samples with functional_call (the two paths agree exactly)
         super().__init__(params, dict(lr=lr, rho=rho, beta1=beta1))
         self.prior = prior
         self.n_data = int(n_data)

@@ -86,6 +86,19 @@ class BatchClosure:
         other.autocast_dtype = None
         return other
 
+    def module_losses(self) -> Tensor:
+        """ℓ_i of ``self.model`` with the weights it holds: ``closure(params)``'s losses when ``params`` are the
+        model's own (the same forward, with the same autocast). The diagonal Price step writes the weight sample
+        into the model and calls this, so that one ``backward`` lands in gradient views of one flat buffer
+        (:mod:`continual_blr.optim.diag_step`)."""
+        if self.autocast_dtype is None:
+            f = self.model(self.x, head=self.head)
+        else:
+            with torch.autocast(device_type=self.x.device.type, dtype=self.autocast_dtype):
+                f = self.model(self.x, head=self.head)
+            f = f.float()
+        return lk.nll(f, self.y, self.likelihood, self.sigma)
+
     def __call__(self, params: ParamDict) -> "Tensor | tuple[Tensor, Tensor]":
         if self.autocast_dtype is None:
             f = functional_call(self.model, params, (self.x,), {"head": self.head})

@@ -19,6 +19,7 @@ from torch import Tensor
 from ..posteriors import DiagPosterior
 from ..types import DivergenceError
 from .diag_state import FlatDiagState, diag_update, fused_diag_update
+from .closures import BatchClosure
 from .estimators import gradients
 from .precision import data_like
 
@@ -70,7 +71,28 @@ class DiagStepMixin:
         if flat.s is None:  # S = S₀ + D (kept from the last update while neither was replaced)
             flat.s = flat.s0 + flat.data
         price = self.curvature == "price"
+        # The module path (one sample, one process, no penalty, every trainable weight covered, a plain BatchClosure:
+        # a subclass may do more in its __call__): θ is written into
+        # the model's weights, the model's own forward runs and one backward fills gradient views of one flat
+        # buffer — no functional_call, no concatenation. Same operations as the closure path, so the same numbers
+        # (tests/test_blr_engine.py); the weights hold θ until the update writes the new mean (or the mean again if
+        # anything fails before).
+        module = (price and n_mc == 1 and self.module_step and self._covers_all and not self._parallel.active
+                  and type(closure) is BatchClosure and closure.penalty is None and closure.model is self.model)
+        try:
+            loss_sum, g_sum, h_sum, eps, r = self._samples(closure, flat, mean, mean_list, n_mc, fresh, price, module)
+            return self._diag_update(flat, mean, mean_list, loss_sum, g_sum, h_sum, eps, r, n_mc, price, lr, rho,
+                                     beta1, fresh)
+        except BaseException:  # nothing was kept (the new mean is the update's last write): the weights hold the mean
+            if module:
+                torch._foreach_copy_(mean_list, [v.view_as(m) for v, m in zip(flat.split(mean), mean_list)])
+            raise
+
+    def _samples(self, closure: Callable, flat: FlatDiagState, mean: Tensor, mean_list: list[Tensor], n_mc: int,
+                 fresh: bool, price: bool, module: bool):
+        """(Σ loss, Σ ĝ, Σ ĥ, ε, r) over the step's weight samples (ĥ None where not estimated)."""
         loss_sum, g_sum, h_sum = 0.0, None, None
+        eps = r = None
         with torch.enable_grad():
             for _ in range(n_mc):
                 if self.mc_samples == 0:
@@ -80,6 +102,22 @@ class DiagStepMixin:
                                       device=mean.device)
                     r = torch.rsqrt(flat.s)
                     theta = torch.addcmul(mean, eps, r)
+                if module:  # ĝ_data = (N/B) ∇ Σ_i ℓ_i(θ), one backward into flat gradient views
+                    g_data = torch.zeros_like(mean)
+                    torch._foreach_copy_(mean_list, [v.view_as(m) for v, m in zip(flat.split(theta), mean_list)])
+                    try:
+                        for p, v, m in zip(self._param_list, flat.split(g_data), mean_list):
+                            p.grad = v.view_as(m)
+                        losses = closure.module_losses()  # type: ignore[union-attr]
+                        scale, _ = self._parallel.scales(losses.shape[0], self.n_data)
+                        (scale * losses.sum()).backward()
+                    finally:
+                        for p in self._param_list:
+                            p.grad = None
+                    loss = self._parallel.mean_loss(losses.detach(), self.n_data)
+                    g, h = g_data, g_data  # ĥ is formed inside the update (h_from_sample)
+                    loss_sum, g_sum, h_sum = loss, g, h
+                    continue
                 theta_d = flat.views(theta)
                 if price:  # ĥ = ĝ_data ∘ (θ − m) ∘ S = ĝ_data ∘ ε ∘ √S, one backward pass
                     losses, g_data_d, g_d, pen = gradients(closure, theta_d, self.names, self.n_data, self._parallel)
@@ -102,6 +140,12 @@ class DiagStepMixin:
                     g_sum.add_(g)
                     if h is not None:
                         h_sum.add_(h)  # type: ignore[union-attr]
+        return loss_sum, g_sum, h_sum, eps, r
+
+    def _diag_update(self, flat: FlatDiagState, mean: Tensor, mean_list: list[Tensor], loss_sum: Any, g_sum: Any,
+                     h_sum: Any, eps: Any, r: Any, n_mc: int, price: bool, lr: float, rho: float, beta1: float,
+                     fresh: bool) -> Tensor:
+        """The update after the estimates (the second half of :meth:`_diag_step`)."""
         assert g_sum is not None
         if n_mc > 1:
             g_sum.div_(n_mc)
