@@ -407,8 +407,9 @@ def test_split_cifar10_validation_stream_and_missing_file_error(tmp_path, fake_c
 
 
 def test_split_cifar10_configs_parse_and_build():
-    """Every shipped split CIFAR-10 config (both protocols, full and CPU budget) is a valid run config whose
-    methods build; the CPU budgets say so in their path and train fewer epochs than the full protocol."""
+    """Every shipped split CIFAR-10 config (both protocols, full and CPU budget, and the class-incremental replay
+    configs under resnet18/class/) is a valid run config whose methods build; the CPU budgets say so in their path
+    and train fewer epochs than the full protocol; only the class/ folder is class-incremental."""
     import yaml
 
     from continual_blr.config import RunConfig, from_dict
@@ -419,7 +420,8 @@ def test_split_cifar10_configs_parse_and_build():
     assert len(paths) >= 28
     for path in paths:
         cfg = from_dict(RunConfig, yaml.safe_load(path.read_text()))
-        assert cfg.stream.name == "split_cifar10" and cfg.stream.scenario == "task"
+        assert cfg.stream.name == "split_cifar10"
+        assert cfg.stream.scenario == ("class" if "class" in path.parts else "task"), path
         assert cfg.model.arch == ("reduced_resnet18" if "resnet18" in path.parts else "cifarnet")
         assert (cfg.train.epochs == 1) == ("cpu_budget" in path.parts), path
         assert cfg.train.batch_size == 256 and cfg.train.lr == 1e-3
