@@ -8,11 +8,11 @@ Run:
 For each records folder named (``<benchmark>/<scenario>/<mode>`` under ``benchmarks/records/``) and each older
 library hash A its records ran on (not current and not yet declared equivalent), the lowest seed of every row
 (method) made on A is run again on the current library, with the same config file, into a scratch folder (the
-committed record is not touched). If every rerun gives the same accuracy matrix **bit for bit** and the same
-resolved parameters, a declaration ``A → current`` for that folder is appended to
-``benchmarks/records/equivalent_libraries.json`` with the runs it compared; the folder's records made on A are then
-current (``benchmarks/records.py``). A difference, a changed config or a run that needs a device this machine lacks
-declares nothing and is printed. Split digits' tables (their own records layout) and searches are not covered.
+committed record is not touched). For the rows whose rerun gives the same accuracy matrix **bit for bit** and the
+same resolved parameters, a declaration ``A → current`` for that folder and those rows is appended to
+``benchmarks/records/equivalent_libraries.json`` with the runs it compared; their records made on A are then
+current (``benchmarks/records.py``). A row that differs, whose config changed or that needs a device this machine
+lacks is printed and left stale. Split digits' tables (their own records layout) and searches are not covered.
 """
 
 from __future__ import annotations
@@ -49,19 +49,21 @@ def check_folder(records_dir: Path, folder: str, args: argparse.Namespace, curre
     benchmark, scenario, mode = folder.split("/")
     quick, validation = _mode(mode)
     recs = [json.loads(p.read_text()) | {"_name": p.stem} for p in sorted((records_dir / folder).glob("*_seed*.json"))]
-    older = sorted({r.get("library_hash") for r in recs} - run_records.equivalent_hashes(current, folder, records_dir)
-                   - {None})
+    def row(r: dict) -> str:
+        return r.get("method_name") or r["method"]
+
+    # records neither made on the current library nor already declared equivalent for their row
+    todo = [r for r in recs if r.get("library_hash") and not run_records.is_current(r, current, folder, records_dir)]
     made = []
-    for old in older:
+    for old in sorted({r["library_hash"] for r in todo}):
         rows: dict[str, dict] = {}
-        for r in sorted((r for r in recs if r.get("library_hash") == old), key=lambda r: r["seed"]):
-            rows.setdefault(r.get("method_name") or r["method"], r)
-        checked, ok = [], True
+        for r in sorted((r for r in todo if r["library_hash"] == old), key=lambda r: r["seed"]):
+            rows.setdefault(row(r), r)
+        checked = []
         for method, rec in sorted(rows.items()):
             if str((rec.get("config") or {}).get("device", "cpu")).startswith("cuda") and args.device == "cpu":
                 print(f"{folder} {method}: ran on {rec.get('device')}; not rerun here (--device)")
-                ok = False
-                break
+                continue
             ns = argparse.Namespace(configs_dir=args.configs_dir, scenario=scenario, data_dir=args.data_dir,
                                     validation=validation, device=args.device, quick=quick, no_progress=True,
                                     force=True)
@@ -73,12 +75,11 @@ def check_folder(records_dir: Path, folder: str, args: argparse.Namespace, curre
             print(f"{folder} {method} seed {rec['seed']}: {'same' if same else 'DIFFERENT'} "
                   f"({100 * rec['avg_acc']:.2f} on {old[:8]}, {100 * new['avg_acc']:.2f} now"
                   f"{'' if same_config else '; the config changed'})", flush=True)
-            checked.append(f"{method}_seed{rec['seed']}")
-            if not same:
-                ok = False
-                break
-        if ok and checked:
-            made.append({"from": old, "to": current, "folders": [folder], "checked": {folder: checked},
+            if same:
+                checked.append((method, f"{method}_seed{rec['seed']}"))
+        if checked:
+            made.append({"from": old, "to": current, "folders": [folder],
+                         "methods": {folder: [m for m, _ in checked]}, "checked": {folder: [c for _, c in checked]},
                          "date": datetime.date.today().isoformat(), "commit": run_records.provenance()["commit"]})
     return made
 

@@ -24,9 +24,10 @@ operations, a new CLI flag) would still make every record stale. ``benchmarks/ch
 claim instead of trusting it: for one records folder (one table) it reruns, on the library as it is now, the lowest
 seed of every row made on an older library A, and only if every rerun gives the **same accuracy matrix to the last
 bit** and the same resolved parameters does it declare, in ``<records>/equivalent_libraries.json``, that A's
-records of that folder give the current library's numbers. A record of that folder made on A then counts as
-current (:func:`is_current` with ``folder``); declarations chain (A → B → C). The check is a sample (one seed per
-row), so the declaration says which runs were compared; a change that alters any checked run is never declared.
+records of that row and folder give the current library's numbers (the rows that differ, or whose config changed,
+are left out and stay stale). A record made on A then counts as current (:func:`is_current` with ``folder``);
+declarations chain (A → B → C). The check is a sample (one seed per row), so the declaration says which runs were
+compared; a row whose checked run changed is never declared.
 """
 
 from __future__ import annotations
@@ -129,10 +130,19 @@ def declarations(records_dir: Path = RECORDS_DIR) -> list[dict[str, Any]]:
     return json.loads(path.read_text())["declarations"] if path.is_file() else []
 
 
-def equivalent_hashes(current: str, folder: str, records_dir: Path = RECORDS_DIR) -> set[str]:
+def _covers(decl: dict[str, Any], folder: str, method: str | None) -> bool:
+    """Whether a declaration covers ``folder`` and, if it names rows, ``method`` (None: any row)."""
+    if folder not in decl["folders"]:
+        return False
+    rows = (decl.get("methods") or {}).get(folder)
+    return rows is None or method is None or method in rows
+
+
+def equivalent_hashes(current: str, folder: str, records_dir: Path = RECORDS_DIR, method: str | None = None) -> set[str]:
     """``current`` and every library hash declared, directly or through a chain, to give the same numbers as
-    ``current`` for the records folder ``folder`` (``<benchmark>/<scenario>/<mode>``, relative to ``records_dir``)."""
-    decls = [d for d in declarations(records_dir) if folder in d["folders"]]
+    ``current`` for the records folder ``folder`` (``<benchmark>/<scenario>/<mode>``, relative to ``records_dir``)
+    and, if given, the row ``method`` (a declaration names the rows it checked)."""
+    decls = [d for d in declarations(records_dir) if _covers(d, folder, method)]
     out, grew = {current}, True
     while grew:
         grew = False
@@ -150,4 +160,5 @@ def is_current(record: dict[str, Any], current_hash: str | None = None, folder: 
     current = current_hash or library_hash()
     if record.get("library_hash") == current:
         return True
-    return folder is not None and record.get("library_hash") in equivalent_hashes(current, folder, records_dir)
+    method = record.get("method_name") or record.get("method") or ""
+    return folder is not None and record.get("library_hash") in equivalent_hashes(current, folder, records_dir, method)

@@ -440,13 +440,26 @@ def test_checked_equivalence_keeps_records_current_only_when_every_rerun_is_bitw
     monkeypatch.setattr(runner, "run_config", perturbed)
     check.main([folder, *args])
     assert "DIFFERENT" in capsys.readouterr().out and not (runs / rr.EQUIVALENCES).exists()
-    monkeypatch.setattr(runner, "run_config", real)
+
+    def ewc_moved(cfg, *a, **k):  # only the ewc row changes under the "new library"
+        return (perturbed if cfg.methods[0].name == "ewc" else real)(cfg, *a, **k)
+
+    monkeypatch.setattr(runner, "run_config", ewc_moved)
     check.main([folder, *args])
     out = capsys.readouterr().out
-    assert "ewc seed 0: same" in out and "none seed 0: same" in out
+    assert "ewc seed 0: DIFFERENT" in out and "none seed 0: same" in out
     decl = rr.declarations(runs)
-    assert [(d["from"], d["to"], d["folders"]) for d in decl] == [(old, "f" * 16, [folder])]
-    assert sorted(decl[0]["checked"][folder]) == ["ewc_seed0", "none_seed0"]
+    assert [(d["from"], d["to"], d["folders"], d["methods"]) for d in decl] == [(old, "f" * 16, [folder],
+                                                                                {folder: ["none"]})]
+    assert not rr.is_current(rec, folder=folder, records_dir=runs)  # ewc: not declared
+    none1 = json.loads((runs / folder / "none_seed1.json").read_text())
+    assert rr.is_current(none1, folder=folder, records_dir=runs)  # none seed 1 was not rerun, yet is current
+    monkeypatch.setattr(runner, "run_config", real)
+    check.main([folder, *args])  # the ewc row, now equal, is declared; none is not checked again
+    out = capsys.readouterr().out
+    assert "ewc seed 0: same" in out and "none seed 0" not in out
+    decl = rr.declarations(runs)
+    assert sorted(decl[1]["checked"][folder]) == ["ewc_seed0"]
     assert rr.is_current(rec, folder=folder, records_dir=runs)  # seed 1 was not rerun, yet is current
     assert not rr.is_current(rec, folder="tiny/class/full", records_dir=runs)  # only the checked folder
     calls = []
