@@ -27,27 +27,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts (benchmarks/ is not a package)
 import records as run_records  # noqa: E402
 import reproduce  # noqa: E402
+import tables  # noqa: E402
 
 
-def folders(records_dir: Path) -> list[str]:
-    """Every reproduce-style records folder (``<benchmark>/<scenario>/<mode>``) holding records."""
-    out = []
-    for f in sorted(records_dir.glob("*/*/*")):
-        if f.is_dir() and f.parts[-3] not in ("split_digits", "search") and any(f.glob("*_seed*.json")):
-            out.append(f.relative_to(records_dir).as_posix())
-    return out
+def folders(records_dir: Path) -> dict[str, tuple[str, str, bool, float]]:
+    """Every reproduce records folder (``<benchmark>/<scenario>/<mode>``) holding records, with what
+    ``tables.tables`` reads from it: (benchmark, scenario, quick, validation)."""
+    return {reproduce._runs_folder(records_dir, *t).relative_to(records_dir).as_posix(): t
+            for t in tables.tables(records_dir)}
 
 
-def _mode(mode: str) -> tuple[bool, float]:
-    quick = mode.startswith("quick")
-    validation = float(mode.partition("_validation")[2] or 0.0)
-    return quick, validation
-
-
-def check_folder(records_dir: Path, folder: str, args: argparse.Namespace, current: str) -> list[dict]:
-    """The declarations this folder earns (one per older library hash whose every checked rerun matched)."""
-    benchmark, scenario, mode = folder.split("/")
-    quick, validation = _mode(mode)
+def check_folder(records_dir: Path, folder: str, where: tuple[str, str, bool, float], args: argparse.Namespace,
+                 current: str) -> list[dict]:
+    """The declarations this folder earns (one per older library hash, naming the rows whose checked rerun matched)."""
+    benchmark, scenario, quick, validation = where
     recs = [json.loads(p.read_text()) | {"_name": p.stem} for p in sorted((records_dir / folder).glob("*_seed*.json"))]
     def row(r: dict) -> str:
         return r.get("method_name") or r["method"]
@@ -109,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     current = run_records.library_hash()
     made = []
     for folder in names:
-        made += check_folder(records_dir, folder, args, current)
+        made += check_folder(records_dir, folder, known[folder], args, current)
     if made:
         path = records_dir / run_records.EQUIVALENCES
         decls = run_records.declarations(records_dir) + made
