@@ -62,6 +62,8 @@ REFERENCES: dict[tuple[str, str, str], tuple[float, str]] = {
     ("permuted_mnist", "domain", "ewc"): (84.0, "EWC, Eschenhagen 2019 Table 1 (same network)"),
     ("split_cifar", "task", "fromp"): (76.2, "FROMP paper / reference code README"),
     ("split_mnist", "class", "fromp-classes-all"): (33.4, "FROMP code run by others, class-incremental"),
+    ("split_cifar10/resnet18", "task", "none"): (69.53, "fine-tuning, van de Ven 2025 (30 seeds, ± 1.34 s.e.)"),
+    ("split_cifar10/resnet18", "task", "ewc"): (84.91, "EWC exact Fisher, van de Ven 2025 (30 seeds, ± 0.65 s.e.)"),
 }
 # Canonical row order of the tables; methods not listed follow in alphabetical order.
 METHOD_ORDER = ["fromp-replay", "fromp-replay_m500", "derpp", "derpp_m500", "er", "er_m500", "fromp", "frorp", "fromp-l2", "fromp-full", "fromp-kron", "fromp-classes-all", "ewc", "laplace", "vcl", "vcl_no_coreset", "vcl_vogn", "vcl_vogn_coreset", "blr", "blr_price", "ivon",
@@ -221,9 +223,9 @@ def _memory_cell(rec: dict) -> str:
 
 def report_path(results_dir: Path, benchmark: str, scenario: str, quick: bool, validation: float = 0.0) -> Path:
     """``<results_dir>/<benchmark>[_<scenario>][_quick][_validation].md`` (the benchmark's default scenario has
-    no suffix)."""
+    no suffix; a nested benchmark such as ``split_cifar10/resnet18`` is written ``split_cifar10_resnet18``)."""
     suffix = ("" if scenario in ("task", "domain", "default") else f"_{scenario}") + ("_quick" if quick else "")
-    return results_dir / f"{benchmark}{suffix}{'_validation' if validation else ''}.md"
+    return results_dir / f"{benchmark.replace('/', '_')}{suffix}{'_validation' if validation else ''}.md"
 
 
 def _verdict(mean: float, std: float, ref: float) -> str:

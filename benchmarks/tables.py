@@ -9,7 +9,8 @@ Run:
 Split digits' table (``split_digits.md``, and ``split_digits_validation.md``) comes from its own records,
 ``<records>/split_digits/<scenario>/table[_validation<F>]/`` (``split_digits.py``), and is compared whole.
 
-The records folder is laid out as ``<records>/<benchmark>/<scenario>/<mode>/<method>_seed<k>.json`` with ``mode``
+The records folder is laid out as ``<records>/<benchmark>/<scenario>/<mode>/<method>_seed<k>.json`` (``benchmark``
+may be nested, e.g. ``split_cifar10/resnet18``) with ``mode``
 ``full``, ``quick`` or ``<full|quick>_validation<F>`` (``reproduce.py`` writes them; ``benchmarks/records.py`` says
 what a record holds and when it is current). Each folder gives one table (``reproduce.write_report``). The check
 compares the table's text above its ``<!-- notes -->`` line (the hand-written note below it is kept as it is) and
@@ -35,11 +36,12 @@ MODE = re.compile(r"^(full|quick)(?:_validation([0-9.]+))?$")
 def tables(records_dir: Path) -> list[tuple[str, str, bool, float]]:
     """(benchmark, scenario, quick, validation) of every records folder holding at least one record."""
     out = []
-    for folder in sorted(records_dir.glob("*/*/*")):
+    for folder in sorted(p for p in records_dir.rglob("*") if p.is_dir()):
         m = MODE.match(folder.name)
-        if m is None or folder.parent.parent.name == "search" or not any(folder.glob("*_seed*.json")):
+        rel = folder.relative_to(records_dir).parts
+        if m is None or len(rel) < 3 or rel[0] == "search" or not any(folder.glob("*_seed*.json")):
             continue
-        out.append((folder.parent.parent.name, folder.parent.name, m.group(1) == "quick", float(m.group(2) or 0.0)))
+        out.append(("/".join(rel[:-2]), folder.parent.name, m.group(1) == "quick", float(m.group(2) or 0.0)))
     return out
 
 

@@ -174,6 +174,21 @@ def test_tables_are_generated_from_records_alone_and_checked(tmp_path):
     assert tables.main([*argv, "--check"]) == 1
 
 
+def test_tables_find_nested_benchmarks_and_name_their_reports_flat(tmp_path):
+    """A benchmark with a slash (``split_cifar10/resnet18``) has its records one folder deeper; tables.py finds
+    them (and not the search records), and its report is ``split_cifar10_resnet18.md``, not a subfolder."""
+    spec = importlib.util.spec_from_file_location("tables", ROOT / "benchmarks" / "tables.py")
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    for folder in ("a/b/task/full", "c/class/quick_validation0.1", "search/c/task/full", "d/task/notamode"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "none_seed0.json").write_text("{}")
+    (tmp_path / "e/task/full").mkdir(parents=True)  # no record in it
+    assert sorted(tables.tables(tmp_path)) == [("a/b", "task", False, 0.0), ("c", "class", True, 0.1)]
+    reproduce = _load_reproduce()
+    assert reproduce.report_path(tmp_path, "a/b", "task", False) == tmp_path / "a_b.md"
+
+
 def test_committed_tables_equal_what_their_records_generate():
     """CI's check: every table under benchmarks/results/ that has records under benchmarks/records/ is exactly
     what those records generate (above its notes line)."""
