@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = timed_runs(cfgs)
     base = runs[routes[0][0]][0]
     command = "python benchmarks/perf_blr_routes.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.data_dir:
+        command = command.replace(args.data_dir, "$CONTINUAL_BLR_DATA")
     lines = ["# Cheaper BLR routes on split MNIST (full budget, validation split 0.1)", "",
              f"Command: `{command.strip()}`; seed {args.seed}, torch threads {torch.get_num_threads()}, "
              f"{platform.machine()}, torch {torch.__version__}. Accuracies are on the held-out 0.1 of each task's "
