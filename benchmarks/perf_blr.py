@@ -41,7 +41,7 @@ from continual_blr.models import MLP
 from continual_blr.types import Batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from perf_fromp import _interleaved, _split_mnist_config, add_end_to_end_args, timed_runs, write_end_to_end  # noqa: E402
+from perf_fromp import _interleaved, _split_mnist_config, add_end_to_end_args, timed_runs, with_params, write_end_to_end  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH, N_TRAIN = 128, 12_000
@@ -147,17 +147,10 @@ def end_to_end(data_dir: str | None, quick: bool, benchmark: str = "split_mnist"
     """CPU seconds of whole runs of one benchmark in this invocation: ``none``, the table's ``blr`` (blr.yaml, eager
     and with ``fused_step``) and, where the benchmark has them, the Price-estimate routes ``blr_price.yaml`` and
     ``ivon.yaml`` (the issue's target: the table's BLR run ≤ 1.5× the CPU of ``none``)."""
-    import dataclasses
-
     rows = [("none", "none", False), ("blr", "blr", False), ("blr, fused_step", "blr", True)]
     rows += [(m, m, False) for m in ("blr_price", "ivon") if (ROOT / "configs" / benchmark / f"{m}.yaml").is_file()]
-    cfgs = []
-    for label, method, fused in rows:
-        cfg = _split_mnist_config(method, data_dir, quick, benchmark)
-        if fused:
-            spec = cfg.methods[0]
-            cfg.methods[0] = dataclasses.replace(spec, params={**spec.params, "fused_step": True})
-        cfgs.append((label, cfg))
+    cfgs = [(label, with_params(_split_mnist_config(method, data_dir, quick, benchmark),
+                                {"fused_step": True} if fused else {})) for label, method, fused in rows]
     runs = timed_runs(cfgs)
     none_cpu = runs["none"][0]
     lines = [f"# BLR end to end on {benchmark} ({'QUICK: epochs / 5' if quick else 'full budget'})", "",

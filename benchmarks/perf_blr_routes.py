@@ -17,7 +17,6 @@ route without touching the test set. Writes ``benchmarks/results/perf_blr_routes
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import platform
 import sys
@@ -26,7 +25,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts (benchmarks/ is not a package)
-from perf_fromp import _split_mnist_config, timed_runs  # noqa: E402
+from perf_fromp import _split_mnist_config, timed_runs, with_params  # noqa: E402
+from reproduce import shown_command  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 FUSED_DELTA = {"mc_samples": 0, "fused_step": True}
@@ -65,16 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     routes = [parse_route(r) for r in args.route] if args.route else DEFAULT_ROUTES
     cfgs = []
     for label, config, extra in routes:
-        cfg = _split_mnist_config(config, args.data_dir, False, "split_mnist")
+        cfg = with_params(_split_mnist_config(config, args.data_dir, False, "split_mnist"), extra)
         cfg.stream.validation, cfg.seed = 0.1, args.seed
-        spec = cfg.methods[0]
-        cfg.methods[0] = dataclasses.replace(spec, params={**spec.params, **extra})
         cfgs.append((label, cfg))
     runs = timed_runs(cfgs)
     base = runs[routes[0][0]][0]
-    command = "python benchmarks/perf_blr_routes.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    if args.data_dir:
-        command = command.replace(args.data_dir, "$CONTINUAL_BLR_DATA")
+    command = "python benchmarks/perf_blr_routes.py " + shown_command(sys.argv[1:] if argv is None else argv,
+                                                                     args.data_dir)
     lines = ["# Cheaper BLR routes on split MNIST (full budget, validation split 0.1)", "",
              f"Command: `{command.strip()}`; seed {args.seed}, torch threads {torch.get_num_threads()}, "
              f"{platform.machine()}, torch {torch.__version__}. Accuracies are on the held-out 0.1 of each task's "

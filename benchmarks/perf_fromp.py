@@ -202,6 +202,16 @@ def _split_mnist_config(method: str, data_dir: str | None, quick: bool, benchmar
     return cfg
 
 
+def with_params(cfg, extra: dict):
+    """``cfg`` with ``extra`` laid over its first method's params (the end-to-end scripts' variants of a config)."""
+    import dataclasses
+
+    if extra:
+        spec = cfg.methods[0]
+        cfg.methods[0] = dataclasses.replace(spec, params={**spec.params, **extra})
+    return cfg
+
+
 # cProfile rows (function name fragments) that split the FROMP run's time; cumulative times overlap by nesting
 _PROFILE_ROWS = [
     ("training steps (train_step, all of it)", "loop.py", "train_step"),

@@ -497,9 +497,10 @@ def test_equivalence_declarations_chain_within_their_folder(tmp_path):
     assert not rr.is_current({"library_hash": "a"}, "c", None, tmp_path)  # no folder: the strict rule
 
 
-def test_perf_blr_routes_score_on_the_validation_split_and_name_bad_routes(monkeypatch, tmp_path):
+def test_perf_blr_routes_score_on_the_validation_split_and_name_bad_routes(monkeypatch, tmp_path, capsys):
     """perf_blr_routes.py chooses among routes by accuracy, so every row must run on the validation stream (never
-    the test set), with the route's params laid over its config's; a malformed route is a one-line error."""
+    the test set), with the route's params laid over its config's; the report shows the data folder as
+    $CONTINUAL_BLR_DATA; a malformed route is a one-line error."""
     routes = _load_script("perf_blr_routes")
     seen = {}
 
@@ -508,7 +509,11 @@ def test_perf_blr_routes_score_on_the_validation_split_and_name_bad_routes(monke
         return {label: (2.0 if label == "none" else 3.0, 1.0, 90.0) for label, _ in cfgs}
 
     monkeypatch.setattr(routes, "timed_runs", fake_runs)
-    assert routes.main(["--route", "none=none", "--route", 'k=blr:{"curvature_every": 4}', "--no-write"]) == 0
+    data = str(tmp_path / "my_data")
+    assert routes.main(["--route", "none=none", "--route", 'k=blr:{"curvature_every": 4}', "--no-write",
+                        "--data-dir", data]) == 0
+    printed = capsys.readouterr().out
+    assert "--data-dir $CONTINUAL_BLR_DATA" in printed and data not in printed
     assert all(cfg.stream.validation == 0.1 for cfg in seen.values())
     assert seen["k"].methods[0].params["curvature_every"] == 4
     assert seen["k"].methods[0].params["clip_radius"] == 0.03  # blr.yaml's own params kept
