@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from ..curvature import curvature as curvature_of
 from ..data.stream import Task, TaskStream
 from ..optim.blr import CURVATURES, BayesianLearningRule
+from ..optim.noise import NOISES
 from ..posteriors import DiagPosterior, GaussianPosterior, KronPosterior, kron_layers, load_posterior
 from ..types import Structure, parse_enum
 from .base import Method, TrainConfig
@@ -78,6 +79,10 @@ class BLRParams:
         curvature_every: k: estimate ĥ on every k-th step only (diagonal structure, not ``"price"``), D updated
             there at the rate 1 − (1 − ρ)ᵏ; the other steps cost a forward and backward
             (``BayesianLearningRule(curvature_every=k)``; the fixed point is unchanged).
+        noise: the weight samples' ε (diagonal structure): ``"gaussian"`` (a fresh N(0, I) draw per step) or
+            ``"pooled"`` (a sign-randomised shift of a Gaussian pool redrawn every ``noise_refresh`` steps: 32 ×
+            fewer generator draws, the same conditional mean and covariance; :mod:`continual_blr.optim.noise`).
+        noise_refresh: steps between redraws of the ``"pooled"`` noise's pool.
     """
 
     structure: str = "diag"
@@ -99,9 +104,17 @@ class BLRParams:
     curvature_every: int = 1
     carry: str = "average"
     carry_examples: int | None = None
+    noise: str = "gaussian"
+    noise_refresh: int = 64
 
     def __post_init__(self) -> None:
         s = parse_enum(Structure, self.structure, "params.structure")
+        if self.noise not in NOISES:
+            raise ValueError(f"params.noise: got {self.noise!r}; allowed: {', '.join(map(repr, NOISES))}")
+        if self.noise == "pooled" and s != Structure.DIAG:
+            raise ValueError("params.noise: 'pooled' needs structure 'diag'")
+        if not (isinstance(self.noise_refresh, int) and self.noise_refresh >= 1):
+            raise ValueError(f"params.noise_refresh: must be an integer >= 1, got {self.noise_refresh!r}")
         if self.carry not in CARRIES:
             raise ValueError(f"params.carry: got {self.carry!r}; allowed: {', '.join(map(repr, CARRIES))}")
         if self.carry == "ggn" and s != Structure.DIAG:
@@ -164,7 +177,7 @@ class BLRMethod(Method):
             model, prior, n_data=1, lr=p.lr, rho=p.rho, beta1=p.beta1, mc_samples=p.mc_samples,
             curvature=p.curvature, init_precision=init, generator=self.generator, clip_radius=p.clip_radius,
             debias=p.precision_debias, damping=p.damping, init_hess=p.init_hess, fused=p.fused_step,
-            curvature_every=p.curvature_every,
+            curvature_every=p.curvature_every, noise=p.noise, noise_refresh=p.noise_refresh,
         )
 
     def make_optimizer(self, model: nn.Module, task: Task, train: TrainConfig) -> torch.optim.Optimizer:

@@ -64,6 +64,7 @@ class IVONParams:
         carry: the next prior's data part: ``"average"`` (the Price estimates' average D̄) or ``"ggn"`` (the
             diagonal GGN of the task's data at the mean; ``BLRParams.carry``).
         carry_examples: examples of the ``"ggn"`` carry (None: all of the task's).
+        noise, noise_refresh: the weight samples' ε, ``"gaussian"`` or ``"pooled"`` (``BLRParams.noise``).
     """
 
     lr: float = 0.03
@@ -80,6 +81,8 @@ class IVONParams:
     fused_step: bool = False
     carry: str = "ggn"
     carry_examples: int | None = None
+    noise: str = "gaussian"
+    noise_refresh: int = 64
 
     def __post_init__(self) -> None:
         if not 0 <= self.beta2 < 1:
@@ -93,7 +96,8 @@ class IVONParams:
             rho=1.0 - self.beta2, beta1=self.beta1, mc_samples=self.mc_samples, ess_factor=self.ess_factor,
             predict_samples=self.predict_samples, temperature=self.temperature, clip_radius=self.clip_radius,
             curvature="price", precision_debias=self.debias, damping=0.0, init_hess=self.hess_init,
-            fused_step=self.fused_step, carry=self.carry, carry_examples=self.carry_examples,
+            fused_step=self.fused_step, carry=self.carry, carry_examples=self.carry_examples, noise=self.noise,
+            noise_refresh=self.noise_refresh,
         )
 
 

@@ -122,6 +122,7 @@ from ..mixed_precision import full_precision
 from ..posteriors import DiagPosterior, GaussianPosterior
 from ..types import DivergenceError, ParamDict, Structure
 from .closures import BatchClosure
+from .noise import NOISES, PooledNoise
 from .diag_state import diag_update
 from .diag_step import DiagStepMixin
 from .estimators import CURVATURES, ENGINE_CURVATURES, Closure, engine_estimates, per_example_estimates
@@ -225,6 +226,11 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
             ``torch.compile``-d kernel instead of about ten eager passes over the parameters (the same
             algebra up to floating-point contraction; the first step compiles, seconds on CPU, and needs a
             C++ compiler there). Other structures ignore it.
+        noise: where the diagonal step's ε comes from (:mod:`continual_blr.optim.noise`): ``"gaussian"``, a
+            fresh N(0, I) draw per step, or ``"pooled"``, a sign-randomised shift of a standardised Gaussian
+            pool redrawn every ``noise_refresh`` steps (32 × fewer generator draws; the same first and second
+            moments given the past, so the same fixed point on a quadratic loss). Diagonal structure.
+        noise_refresh: R ≥ 1, steps between redraws of the ``"pooled"`` noise's pool.
     """
 
     def __init__(
@@ -245,9 +251,15 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
         init_hess: float | None = None,
         fused: bool = False,
         curvature_every: int = 1,
+        noise: str = "gaussian",
+        noise_refresh: int = 64,
     ) -> None:
         _check_settings(prior, n_data, lr, rho, beta1, mc_samples, clip_radius, damping, init_hess, curvature,
                         curvature_every)
+        if noise not in NOISES:
+            raise ValueError(f"noise: got {noise!r}; allowed: {', '.join(map(repr, NOISES))}")
+        if noise == "pooled" and prior.structure != Structure.DIAG:
+            raise ValueError(f"noise: 'pooled' is for the diagonal structure, got {prior.structure.value!r}")
         named = dict(model.named_parameters())
         missing = [k for k in prior.mean if k not in named]
         if missing:
@@ -272,6 +284,8 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
         self.init_hess = init_hess
         self.fused = bool(fused)
         self.curvature_every = int(curvature_every)
+        self.noise = noise
+        self._pool = PooledNoise(noise_refresh) if noise == "pooled" else None  # None: fresh draws
         self._data = data_part(prior, init_precision) if init_precision is not None else data_like(prior, 0.0)
         self._avg: object | None = None  # the carried average D̄ (None: not yet made, or D itself; see _separate)
         self._n_est = 0  # curvature estimates made in this task (the carried average's debiasing count)
@@ -292,14 +306,17 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
         group = self.param_groups[0]
         kron_iters = self.kron_iters
         parallel = self._parallel
+        pool = self._pool
         BayesianLearningRule.__init__(
             self, model, prior, n_data=self.n_data, lr=group["lr"], rho=group["rho"], beta1=group["beta1"],
             mc_samples=self.mc_samples, curvature=self.curvature, init_precision=init_precision,
             generator=self.generator, clip_radius=self.clip_radius, debias=self.debias, damping=self.damping,
             init_hess=self.init_hess, fused=self.fused, curvature_every=self.curvature_every,
+            noise=self.noise, noise_refresh=pool.refresh if pool is not None else 64,
         )
         self.kron_iters = kron_iters
         self._parallel = parallel
+        self._pool = pool  # the noise stream goes on
 
     # ----- accessors ---------------------------------------------------------------------------
     def _params(self) -> dict[str, nn.Parameter]:
@@ -494,6 +511,7 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
             "n_estimates": self._n_est,
             "t": self._t,
             "momentum": self._momentum,
+            "noise": self._pool.state_dict() if self._pool is not None else None,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
         }
 
@@ -506,6 +524,8 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
         self._avg = state.get("average", None if self.debias and self.curvature != "price" else state["data"])
         self._n_est = state.get("n_estimates", (self._t - 1) // self.curvature_every + 1 if self._t else 0)
         self._momentum = state["momentum"]
+        if self._pool is not None and state.get("noise") is not None:
+            self._pool.load_state_dict(state["noise"])
         for g, saved in zip(self.param_groups, state["param_groups"]):
             g.update(saved)
 

@@ -40,6 +40,7 @@ carried D̄ does not have.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -109,15 +110,29 @@ def diag_update(g: Tensor, h: Tensor, mean: Tensor, m0: Tensor, s0: Tensor, data
     return step.mul_(-lr).add_(mean), u, data, avg, s, check, n_clip
 
 
-_COMPILED_UPDATE: Callable | None = None
+_COMPILED_UPDATES: dict[tuple, Callable] = {}
 
 
 def fused_diag_update() -> Callable:
-    """:func:`diag_update` compiled by ``torch.compile`` (inductor: one C++/Triton loop), built on first use."""
-    global _COMPILED_UPDATE
-    if _COMPILED_UPDATE is None:
-        _COMPILED_UPDATE = torch.compile(diag_update, dynamic=None)
-    return _COMPILED_UPDATE
+    """:func:`diag_update` compiled by inductor (one C++/Triton loop), built on first use per setting and shape.
+
+    The update is traced once per (flags, input shapes, dtypes, devices) by ``make_fx`` and handed to
+    ``torch._inductor.compile``: the same graph ``torch.compile`` would lower, called without Dynamo's guard and
+    AOTAutograd wrappers (about half a millisecond a step on CPU at 269k parameters; the outputs are the same
+    to the bit, ``tests/test_blr_engine.py``)."""
+    return _fused_call
+
+
+def _fused_call(*args: Tensor, **flags: bool) -> tuple[Tensor, ...]:
+    key = (tuple(sorted(flags.items())), tuple((a.shape, a.dtype, a.device) for a in args))
+    fn = _COMPILED_UPDATES.get(key)
+    if fn is None:
+        from torch._inductor import compile as inductor_compile  # imported on first use: heavy
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        graph = make_fx(functools.partial(diag_update, **flags))(*args)
+        fn = _COMPILED_UPDATES[key] = inductor_compile(graph, list(args))
+    return tuple(fn(*args))
 
 
 class FlatDiagState:

@@ -21,6 +21,7 @@ from ..types import DivergenceError
 from .diag_state import FlatDiagState, diag_update, fused_diag_update
 from .closures import BatchClosure
 from .estimators import gradients
+from .noise import PooledNoise, gaussian_noise
 from .precision import data_like
 
 __all__ = ["DiagStepMixin"]
@@ -34,6 +35,7 @@ class DiagStepMixin:
     _flat: FlatDiagState | None
     _clip_count: Tensor | None
     _clip_total: int
+    _pool: PooledNoise | None
     prior: Any
     names: list[str]
 
@@ -88,6 +90,13 @@ class DiagStepMixin:
                 torch._foreach_copy_(mean_list, [v.view_as(m) for v, m in zip(flat.split(mean), mean_list)])
             raise
 
+    def _noise(self, mean: Tensor) -> Tensor:
+        """The step's ε ∈ ℝⁿ (``noise``, :mod:`continual_blr.optim.noise`): fresh N(0, I) or the pooled draw."""
+        generator = self._parallel.sample_generator(self.generator)
+        if self._pool is None:
+            return gaussian_noise(mean.numel(), generator, mean.dtype, mean.device)
+        return self._pool(mean.numel(), generator, mean.dtype, mean.device)
+
     def _samples(self, closure: Callable, flat: FlatDiagState, mean: Tensor, mean_list: list[Tensor], n_mc: int,
                  fresh: bool, price: bool, module: bool):
         """(Σ loss, Σ ĝ, Σ ĥ, ε, r) over the step's weight samples (ĥ None where not estimated)."""
@@ -98,8 +107,7 @@ class DiagStepMixin:
                 if self.mc_samples == 0:
                     eps, r, theta = None, None, mean
                 else:  # θ = m + ε / √S, one draw for all parameters
-                    eps = torch.randn(mean.shape, generator=self._parallel.sample_generator(self.generator), dtype=mean.dtype,
-                                      device=mean.device)
+                    eps = self._noise(mean)
                     r = torch.rsqrt(flat.s)
                     theta = torch.addcmul(mean, eps, r)
                 if module:  # ĝ_data = (N/B) ∇ Σ_i ℓ_i(θ), one backward into flat gradient views
