@@ -91,20 +91,18 @@ class BatchClosure:
         model's own (the same forward, with the same autocast). The diagonal Price step writes the weight sample
         into the model and calls this, so that one ``backward`` lands in gradient views of one flat buffer
         (:mod:`continual_blr.optim.diag_step`)."""
+        return self._losses(lambda: self.model(self.x, head=self.head))
+
+    def _losses(self, forward: Callable[[], Tensor]) -> Tensor:
+        """ℓ_i of ``forward()``'s outputs, the forward run under the closure's autocast (outputs cast to fp32)."""
         if self.autocast_dtype is None:
-            f = self.model(self.x, head=self.head)
+            f = forward()
         else:
             with torch.autocast(device_type=self.x.device.type, dtype=self.autocast_dtype):
-                f = self.model(self.x, head=self.head)
+                f = forward()
             f = f.float()
         return lk.nll(f, self.y, self.likelihood, self.sigma)
 
     def __call__(self, params: ParamDict) -> "Tensor | tuple[Tensor, Tensor]":
-        if self.autocast_dtype is None:
-            f = functional_call(self.model, params, (self.x,), {"head": self.head})
-        else:
-            with torch.autocast(device_type=self.x.device.type, dtype=self.autocast_dtype):
-                f = functional_call(self.model, params, (self.x,), {"head": self.head})
-            f = f.float()
-        losses = lk.nll(f, self.y, self.likelihood, self.sigma)
+        losses = self._losses(lambda: functional_call(self.model, params, (self.x,), {"head": self.head}))
         return losses if self.penalty is None else (losses, self.penalty(params))

@@ -27,6 +27,11 @@ from .precision import data_like
 __all__ = ["DiagStepMixin"]
 
 
+def _write(weights: list[Tensor], flat: FlatDiagState, vector: Tensor) -> None:
+    """Copy a flat vector into the parameters' storage (``weights`` are their detached tensors)."""
+    torch._foreach_copy_(weights, [v.view_as(w) for v, w in zip(flat.split(vector), weights)])
+
+
 class DiagStepMixin:
     """The diagonal step and the clip's count, mixed into :class:`~continual_blr.optim.blr.BayesianLearningRule`
     (which owns the state these methods read: ``prior``, ``names``, ``_data``, ``_avg``, ``_momentum``,
@@ -87,7 +92,7 @@ class DiagStepMixin:
                                      beta1, fresh)
         except BaseException:  # nothing was kept (the new mean is the update's last write): the weights hold the mean
             if module:
-                torch._foreach_copy_(mean_list, [v.view_as(m) for v, m in zip(flat.split(mean), mean_list)])
+                _write(mean_list, flat, mean)
             raise
 
     def _noise(self, mean: Tensor) -> Tensor:
@@ -112,7 +117,7 @@ class DiagStepMixin:
                     theta = torch.addcmul(mean, eps, r)
                 if module:  # ĝ_data = (N/B) ∇ Σ_i ℓ_i(θ), one backward into flat gradient views
                     g_data = torch.zeros_like(mean)
-                    torch._foreach_copy_(mean_list, [v.view_as(m) for v, m in zip(flat.split(theta), mean_list)])
+                    _write(mean_list, flat, theta)
                     try:
                         for p, v, m in zip(self._param_list, flat.split(g_data), mean_list):
                             p.grad = v.view_as(m)
@@ -195,7 +200,7 @@ class DiagStepMixin:
             flat.mom_views = self._momentum = flat.views(mom)
         if self.clip_radius is not None:
             self._count_clipped(n_clip, mean.numel())
-        torch._foreach_copy_(mean_list, [v.view_as(m) for v, m in zip(flat.split(new_mean), mean_list)])
+        _write(mean_list, flat, new_mean)
         return loss_sum / n_mc  # type: ignore[return-value]
 
     def _count_clipped(self, n_clip: Tensor, numel: int) -> None:
