@@ -145,12 +145,20 @@ def report(res: dict, steps: int, threads: int, command: str) -> str:
 
 def end_to_end(data_dir: str | None, quick: bool, benchmark: str = "split_mnist") -> str:
     """CPU seconds of whole runs of one benchmark in this invocation: ``none``, the table's ``blr`` (blr.yaml, eager
-    and with ``fused_step``) and, where the benchmark has them, the Price-estimate routes ``blr_price.yaml`` and
-    ``ivon.yaml`` (the issue's target: the table's BLR run ≤ 1.5× the CPU of ``none``)."""
-    rows = [("none", "none", False), ("blr", "blr", False), ("blr, fused_step", "blr", True)]
-    rows += [(m, m, False) for m in ("blr_price", "ivon") if (ROOT / "configs" / benchmark / f"{m}.yaml").is_file()]
-    cfgs = [(label, with_params(_split_mnist_config(method, data_dir, quick, benchmark),
-                                {"fused_step": True} if fused else {})) for label, method, fused in rows]
+    and with ``fused_step``) and, where the benchmark has them, the Price-estimate routes ``blr_price.yaml`` (also
+    with the other weight noise, ``gaussian`` / ``pooled``) and ``ivon.yaml`` (the issue's target: the table's BLR
+    run ≤ 1.5× the CPU of ``none``)."""
+    rows: list[tuple[str, str, dict]] = [("none", "none", {}), ("blr", "blr", {}),
+                                          ("blr, fused_step", "blr", {"fused_step": True})]
+    for m in ("blr_price", "ivon"):
+        if (ROOT / "configs" / benchmark / f"{m}.yaml").is_file():
+            rows.append((m, m, {}))
+            if m == "blr_price":  # the Price route with the other weight noise (optim.noise), same process
+                other = "gaussian" if _split_mnist_config(m, data_dir, quick, benchmark).methods[0].params.get(
+                    "noise", "gaussian") == "pooled" else "pooled"
+                rows.append((f"{m}, noise {other}", m, {"noise": other}))
+    cfgs = [(label, with_params(_split_mnist_config(method, data_dir, quick, benchmark), extra))
+            for label, method, extra in rows]
     runs = timed_runs(cfgs)
     none_cpu = runs["none"][0]
     lines = [f"# BLR end to end on {benchmark} ({'QUICK: epochs / 5' if quick else 'full budget'})", "",

@@ -258,7 +258,7 @@ FUSED_RTOL = 1e-10  # float64: the compiled update may contract a·b + c into on
     ("ggn", {"beta1": 0.0}),
 ], ids=["price-momentum-clip-damping", "ggn-plain"])
 def test_fused_step_equals_the_eager_step(gen, curvature, extra):
-    """``fused=True`` (the update compiled by ``torch.compile`` into one loop) takes the eager step's path
+    """``fused=True`` (the update compiled by inductor into one loop) takes the eager step's path
     through every branch: after 6 steps from the same state and weight samples, the mean, the data part D
     and the momentum agree to float64 round-off. (A symbolic-float compile of this update once produced a
     negative D on step 3: this test fails on that.)"""
@@ -285,6 +285,32 @@ def test_fused_step_equals_the_eager_step(gen, curvature, extra):
         torch.testing.assert_close(u_f[k], u_e[k], rtol=FUSED_RTOL, atol=1e-14)
     # the run moved the state: a comparison of untouched copies would pass trivially
     assert max(float((m_e[k] - prior.mean[k]).abs().max()) for k in m_e) > 1e-3
+
+
+def test_the_fused_update_equals_torch_compile_to_the_bit():
+    """``fused_diag_update`` calls the inductor kernel of the ``make_fx`` graph without Dynamo; on the Price
+    step's flags (positivity, ĥ from the sample, momentum, clip, damping, separate D̄) and on the GGN step's its
+    seven outputs equal ``torch.compile(diag_update)``'s bit for bit (float32, 5,000 weights). The eager update
+    differs from both in the last bits (contraction), so this fails if the call stopped compiling."""
+    import torch._dynamo
+
+    from continual_blr.optim.diag_state import diag_update, fused_diag_update
+
+    g = torch.Generator().manual_seed(0)
+    n = 5000
+    vecs = [torch.randn(n, generator=g) for _ in range(10)]
+    for i in (4, 5, 9):  # S₀, D, r: positive
+        vecs[i] = vecs[i].abs() + 0.1
+    scalars = [torch.tensor(v) for v in (0.1, 0.01, 0.02, 1.5, 0.1, 0.05, 3.0)]
+    reference = torch.compile(diag_update, dynamic=False)
+    for flags in (dict(positivity=True, h_from_sample=True, momentum=True, clip=True, damping=True, separate=True),
+                  dict(positivity=False, h_from_sample=False, momentum=False, clip=True, damping=False)):
+        torch._dynamo.reset()
+        want = reference(*vecs, *scalars, **flags)
+        got = fused_diag_update()(*vecs, *scalars, **flags)
+        eager = diag_update(*vecs, *scalars, **flags)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), flags
+        assert not all(torch.equal(a, b) for a, b in zip(got, eager)), "the fused call ran eagerly"
 
 
 def test_curvature_every_is_diagonal_and_not_price():
