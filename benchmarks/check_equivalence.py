@@ -9,7 +9,7 @@ For each records folder named (``<benchmark>/<scenario>/<mode>`` under ``benchma
 library hash A its records ran on (not current and not yet declared equivalent), the lowest seed of every row
 (method) made on A is run again on the current library, with the same config file, into a scratch folder (the
 committed record is not touched). For the rows whose rerun gives the same accuracy matrix **bit for bit** and the
-same resolved parameters, a declaration ``A → current`` for that folder and those rows is appended to
+same resolved parameters (a parameter added to the library since counts as the same at its default), a declaration ``A → current`` for that folder and those rows is appended to
 ``benchmarks/records/equivalent_libraries.json`` with the runs it compared; their records made on A are then
 current (``benchmarks/records.py``). A row that differs, whose config changed or that needs a device this machine
 lacks is printed and left stale. Split digits' tables (their own records layout) and searches are not covered.
@@ -35,6 +35,27 @@ def folders(records_dir: Path) -> dict[str, tuple[str, str, bool, float]]:
     ``tables.tables`` reads from it: (benchmark, scenario, quick, validation)."""
     return {reproduce._runs_folder(records_dir, *t).relative_to(records_dir).as_posix(): t
             for t in tables.tables(records_dir)}
+
+
+def same_params(new: dict | None, old: dict | None, method_name: str | None) -> tuple[bool, list[str]]:
+    """Whether a rerun's resolved parameters are the record's: equal, or the record's all unchanged and every key
+    it lacks a parameter added to the library since, at that parameter's default (the record's code had no such
+    setting; the bitwise-equal accuracy matrix is the evidence that the default reproduces it). Returns (ok, the
+    added keys)."""
+    if new == old:
+        return True, []
+    if not isinstance(new, dict) or not isinstance(old, dict) or any(k not in new or new[k] != v
+                                                                      for k, v in old.items()):
+        return False, []
+    added = sorted(set(new) - set(old))
+    import dataclasses
+
+    from continual_blr.methods import build_method
+
+    defaults = getattr(build_method(method_name, {}), "params", None) if method_name else None
+    default = dataclasses.asdict(defaults) if dataclasses.is_dataclass(defaults) else {}
+    ok = all(k in default and default[k] == new[k] for k in added)
+    return ok, added if ok else []
 
 
 def check_folder(records_dir: Path, folder: str, where: tuple[str, str, bool, float], args: argparse.Namespace,
@@ -63,11 +84,14 @@ def check_folder(records_dir: Path, folder: str, where: tuple[str, str, bool, fl
             with tempfile.TemporaryDirectory() as tmp:
                 new = reproduce.run_one(benchmark, method, rec["seed"], ns, Path(tmp), "check_equivalence")
             same_config = (new.get("config") or {}).get("method") == (rec.get("config") or {}).get("method")
-            same = same_config and new["acc_matrix"] == rec["acc_matrix"] and \
-                new.get("resolved_params") == rec.get("resolved_params")
+            params_ok, added = same_params(new.get("resolved_params"), rec.get("resolved_params"),
+                                           ((rec.get("config") or {}).get("method") or {}).get("name"))
+            same = same_config and new["acc_matrix"] == rec["acc_matrix"] and params_ok
             print(f"{folder} {method} seed {rec['seed']}: {'same' if same else 'DIFFERENT'} "
                   f"({100 * rec['avg_acc']:.2f} on {old[:8]}, {100 * new['avg_acc']:.2f} now"
-                  f"{'' if same_config else '; the config changed'})", flush=True)
+                  f"{'' if same_config else '; the config changed'}"
+                  f"{'' if params_ok else '; the resolved parameters changed'}"
+                  f"{'; new parameters at their defaults: ' + ', '.join(added) if added else ''})", flush=True)
             if same:
                 checked.append((method, f"{method}_seed{rec['seed']}"))
         if checked:

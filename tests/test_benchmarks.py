@@ -483,6 +483,20 @@ def test_checked_equivalence_keeps_records_current_only_when_every_rerun_is_bitw
     assert calls == []  # every record reused
 
 
+def test_a_parameter_added_since_a_record_counts_as_the_same_only_at_its_default():
+    """check_equivalence.same_params: a record made before a parameter existed matches a rerun that has it at its
+    default (BLRParams.noise 'gaussian'); not at another value, not when an old value changed, not for a key no
+    params class has."""
+    same = _load_check_equivalence().same_params
+    old = {"lr": 0.03, "rho": 0.05}
+    assert same(dict(old), dict(old), "blr") == (True, [])
+    assert same({**old, "noise": "gaussian", "noise_refresh": 64}, old, "blr") == (True, ["noise", "noise_refresh"])
+    assert same({**old, "noise": "pooled", "noise_refresh": 64}, old, "blr") == (False, [])
+    assert same({**old, "lr": 0.1, "noise": "gaussian"}, old, "blr") == (False, [])
+    assert same({**old, "no_such_field": 1}, old, "blr") == (False, [])
+    assert same(None, old, "blr") == (False, [])
+
+
 def test_equivalence_declarations_chain_within_their_folder(tmp_path):
     """A → B and B → C declared for one folder make A's and B's records of that folder current under C; a chain
     broken by a declaration for another folder does not."""

@@ -254,6 +254,8 @@ class VCLMethod(Method):
             curvature_every=p.curvature_every,
             carry="average",  # q_t itself is carried (VCL's posterior; the BLR's carried average D̄)
             carry_examples=None,
+            noise="gaussian",  # fresh N(0, I) weight samples each step (optim.noise)
+            noise_refresh=64,
         )
 
     def blr_params(self) -> BLRParams:
