@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import platform
+import statistics
 import sys
 from pathlib import Path
 
@@ -143,15 +144,28 @@ def report(res: dict, steps: int, threads: int, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def end_to_end(data_dir: str | None, quick: bool, benchmark: str = "split_mnist") -> str:
+E2E_CONFIGS = ("none", "blr", "blr_price", "ivon")
+
+
+def end_to_end(data_dir: str | None, quick: bool, benchmark: str = "split_mnist", repeats: int = 1,
+               configs: tuple[str, ...] = E2E_CONFIGS) -> str:
     """CPU seconds of whole runs of one benchmark in this invocation: ``none``, the table's ``blr`` (blr.yaml, eager
     and with ``fused_step``) and, where the benchmark has them, the Price-estimate routes ``blr_price.yaml`` (also
     with the other weight noise, ``gaussian`` / ``pooled``) and ``ivon.yaml`` (the issue's target: the table's BLR
-    run ≤ 1.5× the CPU of ``none``)."""
-    rows: list[tuple[str, str, dict]] = [("none", "none", {}), ("blr", "blr", {}),
-                                          ("blr, fused_step", "blr", {"fused_step": True})]
+    run ≤ 1.5× the CPU of ``none``). ``configs`` keeps only those configs' rows (``none`` always runs).
+
+    With ``repeats`` R > 1 every row runs R times, in rounds (each round runs all rows in order), so a change in the
+    machine's load hits all rows of a round alike: the table gives each row's median CPU and the median over rounds
+    of its ratio to that round's ``none`` run, with the smallest and largest."""
+    bad = [c for c in configs if c not in E2E_CONFIGS]
+    if bad or repeats < 1:
+        raise ValueError(f"--configs: got {bad[0]!r}; allowed: {', '.join(E2E_CONFIGS)}" if bad
+                         else f"--repeats: must be >= 1, got {repeats}")
+    rows: list[tuple[str, str, dict]] = [("none", "none", {})]
+    if "blr" in configs:
+        rows += [("blr", "blr", {}), ("blr, fused_step", "blr", {"fused_step": True})]
     for m in ("blr_price", "ivon"):
-        if (ROOT / "configs" / benchmark / f"{m}.yaml").is_file():
+        if m in configs and (ROOT / "configs" / benchmark / f"{m}.yaml").is_file():
             rows.append((m, m, {}))
             if m == "blr_price":  # the Price route with the other weight noise (optim.noise), same process
                 other = "gaussian" if _split_mnist_config(m, data_dir, quick, benchmark).methods[0].params.get(
@@ -159,15 +173,29 @@ def end_to_end(data_dir: str | None, quick: bool, benchmark: str = "split_mnist"
                 rows.append((f"{m}, noise {other}", m, {"noise": other}))
     cfgs = [(label, with_params(_split_mnist_config(method, data_dir, quick, benchmark), extra))
             for label, method, extra in rows]
-    runs = timed_runs(cfgs)
-    none_cpu = runs["none"][0]
+    rounds = [timed_runs(cfgs) for _ in range(repeats)]
+    extra_args = (f"{' --quick' if quick else ''}{f' --repeats {repeats}' if repeats > 1 else ''}"
+                  f"{' --configs ' + ' '.join(configs) if tuple(configs) != E2E_CONFIGS else ''}")
     lines = [f"# BLR end to end on {benchmark} ({'QUICK: epochs / 5' if quick else 'full budget'})", "",
-             f"Command: `python benchmarks/perf_blr.py --end-to-end --benchmark {benchmark}{' --quick' if quick else ''} "
+             f"Command: `python benchmarks/perf_blr.py --end-to-end --benchmark {benchmark}{extra_args} "
              f"--data-dir $CONTINUAL_BLR_DATA --threads {torch.get_num_threads()}`; configs/{benchmark}/<run>.yaml "
-             f"(seed 0), torch threads {torch.get_num_threads()}, {platform.machine()}, torch {torch.__version__}.",
-             "", "| run | config | CPU (s) | × none | wall (s) | final avg acc (%) |", "|---|---|---|---|---|---|"]
-    for (label, method, _), (cpu, wall, acc) in zip(rows, runs.values()):
-        lines.append(f"| {label} | `{method}.yaml` | {cpu:.1f} | {cpu / none_cpu:.2f} | {wall:.1f} | {acc:.2f} |")
+             f"(seed 0), torch threads {torch.get_num_threads()}, {platform.machine()}, torch {torch.__version__}"
+             f"{f'; {repeats} rounds, medians' if repeats > 1 else ''}.", ""]
+    if repeats == 1:
+        lines += ["| run | config | CPU (s) | × none | wall (s) | final avg acc (%) |", "|---|---|---|---|---|---|"]
+    else:
+        lines += ["| run | config | CPU (s) | × none (median of rounds) | × none, min-max | wall (s) | final avg acc (%) |",
+                  "|---|---|---|---|---|---|---|"]
+    for label, method, _ in rows:
+        cpu = statistics.median(r[label][0] for r in rounds)
+        wall = statistics.median(r[label][1] for r in rounds)
+        ratios = [r[label][0] / r["none"][0] for r in rounds]
+        acc = rounds[0][label][2]
+        if repeats == 1:
+            lines.append(f"| {label} | `{method}.yaml` | {cpu:.1f} | {ratios[0]:.2f} | {wall:.1f} | {acc:.2f} |")
+        else:
+            lines.append(f"| {label} | `{method}.yaml` | {cpu:.1f} | {statistics.median(ratios):.2f} | "
+                         f"{min(ratios):.2f}-{max(ratios):.2f} | {wall:.1f} | {acc:.2f} |")
     lines += ["", "Target (issue 23): the table's BLR run ≤ 1.5× the CPU time of the none run. `fused_step` runs "
               "include their compile (seconds; cached on disk after the first). Accuracies are one test run each "
               "(seed 0), a by-product of the timing; the tables' numbers come from their own records."]
@@ -182,11 +210,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-write", action="store_true", help="print only")
     add_end_to_end_args(ap, "CPU time of a whole none / blr / blr fused_step run of --benchmark instead of step times",
                         "--end-to-end: the configs/ folder")
+    ap.add_argument("--repeats", type=int, default=1, help="--end-to-end: rounds of all rows (medians reported)")
+    ap.add_argument("--configs", nargs="+", default=list(E2E_CONFIGS), metavar="NAME",
+                    help=f"--end-to-end: the configs to time ({', '.join(E2E_CONFIGS)}; none always runs)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     command = ("python benchmarks/perf_blr.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
     if args.end_to_end:
-        write_end_to_end("blr", args, end_to_end(args.data_dir, args.quick, args.benchmark))
+        try:
+            text = end_to_end(args.data_dir, args.quick, args.benchmark, args.repeats, tuple(args.configs))
+        except ValueError as err:
+            ap.error(str(err))
+        write_end_to_end("blr", args, text)
         return 0
     text = report(run(args.steps), args.steps, args.threads, command)
     print(text)

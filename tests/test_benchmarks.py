@@ -535,3 +535,25 @@ def test_perf_blr_routes_score_on_the_validation_split_and_name_bad_routes(monke
         routes.parse_route("k=blr:{bad")
     with pytest.raises(SystemExit, match="LABEL=CONFIG"):
         routes.parse_route("blr")
+
+
+def test_perf_blr_end_to_end_reports_the_median_of_paired_ratios_over_rounds(monkeypatch):
+    """perf_blr --end-to-end --repeats R: each row's ratio is the median over rounds of (row CPU / that round's none
+    CPU), not a ratio of medians; min-max shown; --configs keeps rows (none always), a bad name is one line."""
+    perf = _load_script("perf_blr")
+    cpu = iter([{"none": 10.0, "blr_price": 14.0}, {"none": 20.0, "blr_price": 24.0}, {"none": 10.0, "blr_price": 16.0}])
+
+    def fake(cfgs):
+        r = next(cpu)
+        labels = [label for label, _ in cfgs]
+        assert labels[:2] == ["none", "blr_price"] and all(lb.startswith(("none", "blr_price")) for lb in labels)
+        return {lb: (r.get(lb, 1.0), r.get(lb, 1.0), 99.0) for lb in labels}
+
+    monkeypatch.setattr(perf, "timed_runs", fake)
+    text = perf.end_to_end(None, True, "split_mnist", repeats=3, configs=("none", "blr_price"))
+    row = next(line for line in text.splitlines() if line.startswith("| blr_price |"))
+    # ratios 1.4, 1.2, 1.6 -> median 1.40 (the ratio of median CPUs would be 16 / 10 = 1.60)
+    assert "| 16.0 | 1.40 | 1.20-1.60 |" in row, row
+    assert "--repeats 3 --configs none blr_price" in text and "| ivon |" not in text
+    with pytest.raises(ValueError, match=r"--configs: got 'adam'; allowed: none, blr, blr_price, ivon"):
+        perf.end_to_end(None, True, "split_mnist", configs=("none", "adam"))
