@@ -185,12 +185,9 @@ def test_sigterm_is_an_interrupt_too(config, tmp_path):
     json.loads((out / "results.json").read_text())  # still valid
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name, calls", [("fit_task", 2), ("train_step", 8 + 3)], ids=["boundary", "mid-task"])
-@pytest.mark.parametrize("method", sorted(__import__("continual_blr.methods", fromlist=["METHODS"]).METHODS))
-def test_every_method_resumes_exactly(method, name, calls, tmp_path, monkeypatch, capsys):
-    """Every registered method, with its default parameters, interrupted at the start of / inside its 2nd
-    task (or an auxiliary fit near it) and resumed."""
+def _run_interrupt_resume(tmp_path, monkeypatch, method: str, name: str, calls: int):
+    """A 3-task synthetic run of ``method`` (a YAML method entry) straight through and interrupted after ``calls``
+    calls of ``name`` then resumed; asserts equal accuracy matrices and returns the two run folders."""
     cfg = tmp_path / "c.yaml"
     cfg.write_text("stream: {name: synthetic, options: {n_tasks: 3, n_train: 40}}\nmodel: {hidden: [8]}\n"
                    f"train: {{epochs: 2, batch_size: 10}}\nseed: 5\nmethods: [{method}]\n")
@@ -201,6 +198,16 @@ def test_every_method_resumes_exactly(method, name, calls, tmp_path, monkeypatch
         assert main(["run", str(cfg), "--out", str(out), "--no-progress"]) == 130
     assert main(["run", "--resume", str(out), "--no-progress"]) == 0
     assert _matrices(ref) == _matrices(out)
+    return ref, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, calls", [("fit_task", 2), ("train_step", 8 + 3)], ids=["boundary", "mid-task"])
+@pytest.mark.parametrize("method", sorted(__import__("continual_blr.methods", fromlist=["METHODS"]).METHODS))
+def test_every_method_resumes_exactly(method, name, calls, tmp_path, monkeypatch, capsys):
+    """Every registered method, with its default parameters, interrupted at the start of / inside its 2nd
+    task (or an auxiliary fit near it) and resumed."""
+    ref, out = _run_interrupt_resume(tmp_path, monkeypatch, method, name, calls)
     _same(_load(ref / method / "model.pt"), _load(out / method / "model.pt"), "model")
     _same(_load(ref / method / "method.pt"), _load(out / method / "method.pt"), "method")
 
@@ -211,14 +218,5 @@ def test_the_pooled_weight_noise_resumes_exactly(name, calls, tmp_path, monkeypa
     interruption) interrupted at / inside its 2nd task and resumed equals the uninterrupted run: the checkpoint
     carries the pool's (seed, age). Planted, a load that ignores the saved pool state fails both cases."""
     method = "{name: blr, params: {curvature: price, init_hess: 0.01, noise: pooled, noise_refresh: 3}}"
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text("stream: {name: synthetic, options: {n_tasks: 3, n_train: 40}}\nmodel: {hidden: [8]}\n"
-                   f"train: {{epochs: 2, batch_size: 10}}\nseed: 5\nmethods: [{method}]\n")
-    ref, out = tmp_path / "ref", tmp_path / "run"
-    assert main(["run", str(cfg), "--out", str(ref), "--no-progress"]) == 0
-    with monkeypatch.context() as patch:
-        _interrupt_after(patch, name, calls)
-        assert main(["run", str(cfg), "--out", str(out), "--no-progress"]) == 130
-    assert main(["run", "--resume", str(out), "--no-progress"]) == 0
-    assert _matrices(ref) == _matrices(out)
+    ref, out = _run_interrupt_resume(tmp_path, monkeypatch, method, name, calls)
     _same(_load(ref / "blr" / "model.pt"), _load(out / "blr" / "model.pt"), "model")
