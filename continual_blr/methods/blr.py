@@ -65,9 +65,10 @@ class BLRParams:
         init_hess: h₀, the step's start D = N h₀ at every task's start, for every parameter (new heads
             included; per-example curvature units, like IVON's ``hess_init``); a step-size device that does
             not reach the carried posterior. None: keep ``init_precision``'s start for task 1 and D = 0 after.
-        fused_step: diagonal structure: the update after the estimates as one ``torch.compile``-d kernel
-            (``BayesianLearningRule(fused=True)``: the same algebra, fewer passes over memory; the first
-            step compiles for seconds and needs a C++ compiler on CPU). Off by default.
+        fused_step: diagonal structure: the update after the estimates as one compiled loop
+            (``BayesianLearningRule(fused=True)``: the same algebra, fewer passes over memory; the Price
+            step on CPU uses the native C loop of :mod:`continual_blr.optim.native`, built once per machine,
+            else inductor, seconds per process; both need a C compiler). Off by default.
         carry: what becomes the next prior's data part at the end of a task: ``"average"`` (the optimiser's
             carried D̄, the debiased average of the step's estimates ĥ) or ``"ggn"`` (the diagonal GGN of the
             task's data at the posterior mean, D_t = (λ/n) Σ_{i∈subset} diag(J_iᵀ Λ_i J_i) with λ = ess_factor·N_t

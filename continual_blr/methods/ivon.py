@@ -60,7 +60,7 @@ class IVONParams:
         clip_radius: IVON's elementwise clip of the preconditioned step.
         mc_samples: weight samples per step.
         predict_samples: MC samples at prediction (0: the mean network).
-        fused_step: the update as one ``torch.compile``-d kernel (BLRParams.fused_step).
+        fused_step: the update as one compiled loop (BLRParams.fused_step).
         carry: the next prior's data part: ``"average"`` (the Price estimates' average D̄) or ``"ggn"`` (the
             diagonal GGN of the task's data at the mean; ``BLRParams.carry``).
         carry_examples: examples of the ``"ggn"`` carry (None: all of the task's).

@@ -116,7 +116,7 @@ class VCLParams:
         precision_debias: vogn only: the BLR's bias-corrected precision rate.
         clip_radius: vogn only: the BLR's elementwise bound on the preconditioned step (None: none).
         damping: vogn only: γ ≥ 0, the BLR's step-only damping N γ (the carried posterior does not depend on it).
-        fused_step: vogn only: the BLR's update as one ``torch.compile``-d kernel (BLRParams.fused_step).
+        fused_step: vogn only: the BLR's update as one compiled loop (BLRParams.fused_step).
         curvature_every: vogn only: the BLR's curvature on every k-th step only (BLRParams.curvature_every).
         ml_init_epochs: epochs of maximum-likelihood training of the means before task 1 (0: off).
         coreset_size: held-out examples per task (0: no coreset).

@@ -222,10 +222,12 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
             the updates made), so D averages over the same number of steps; the other steps cost one
             forward and backward. E[ĥ] and so the fixed point D = E_q[ĥ] are unchanged; the estimate of the
             average uses k times fewer weight samples.
-        fused: diagonal structure: run the update after the estimates (:func:`diag_update`) as one
-            ``torch.compile``-d kernel instead of about ten eager passes over the parameters (the same
-            algebra up to floating-point contraction; the first step compiles, seconds on CPU, and needs a
-            C++ compiler there). Other structures ignore it.
+        fused: diagonal structure: run the update after the estimates (:func:`diag_update`) as one loop
+            instead of about ten eager passes over the parameters (the same algebra up to floating-point
+            contraction). The Price step's module path on CPU runs the native C loop, in place
+            (:mod:`continual_blr.optim.native`; compiled once per machine, about a second); elsewhere, or
+            without a C compiler, inductor compiles the update (``fused_diag_update``; seconds in every
+            fresh process, and a C++ compiler on CPU). Other structures ignore it.
         noise: where the diagonal step's ε comes from (:mod:`continual_blr.optim.noise`): ``"gaussian"``, a
             fresh N(0, I) draw per step, or ``"pooled"``, a sign-randomised shift of a standardised Gaussian
             pool redrawn every ``noise_refresh`` steps (32 × fewer generator draws; the same first and second
@@ -504,13 +506,15 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
 
     # ----- persistence -------------------------------------------------------------------------
     def state_dict(self) -> dict:  # type: ignore[override]
+        """The optimiser's state, its tensors copied: the native diagonal step (``optim/native.py``) updates D, D̄
+        and u in place, and a state held in memory must not follow later steps."""
         return {
             "prior": self.prior.state_dict(),
-            "data": self._data,
-            "average": self._avg,
+            "data": _copied(self._data),
+            "average": _copied(self._avg),
             "n_estimates": self._n_est,
             "t": self._t,
-            "momentum": self._momentum,
+            "momentum": _copied(self._momentum),
             "noise": self._pool.state_dict() if self._pool is not None else None,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
         }
@@ -528,6 +532,13 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
             self._pool.load_state_dict(state["noise"])
         for g, saved in zip(self.param_groups, state["param_groups"]):
             g.update(saved)
+
+
+def _copied(state: object) -> object:
+    """A ParamDict's tensors cloned (other state, e.g. a Kronecker data part, as it is)."""
+    if isinstance(state, dict):
+        return {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()}
+    return state
 
 
 class VON(BayesianLearningRule):

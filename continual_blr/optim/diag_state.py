@@ -49,7 +49,7 @@ from torch import Tensor
 from ..posteriors import DiagPosterior
 from ..types import ParamDict
 
-__all__ = ["FlatDiagState", "diag_update", "fused_diag_update"]
+__all__ = ["FlatDiagState", "FlatWeights", "diag_update", "fused_diag_update"]
 
 
 def diag_update(g: Tensor, h: Tensor, mean: Tensor, m0: Tensor, s0: Tensor, data: Tensor, avg: Tensor, mom: Tensor,
@@ -146,6 +146,7 @@ class FlatDiagState:
         self.m0 = torch.cat([prior.mean[k].reshape(-1) for k in names])
         self.data: Tensor = self.s0.new_zeros(0)
         self.s: Tensor | None = None  # S₀ + D, valid while neither changed
+        self.r: Tensor | None = None  # (S₀ + D)^{-1/2}, kept by the native step (diag_step), valid likewise
         self.data_views: ParamDict | None = None
         self.avg: Tensor | None = None
         self.avg_views: ParamDict | None = None
@@ -169,7 +170,7 @@ class FlatDiagState:
         if data is not self.data_views:
             self.data = self.cat(data)
             self.data_views = self.views(self.data)
-            self.s = None
+            self.s = self.r = None
         if avg is None:
             self.avg = self.avg_views = None
         elif avg is not self.avg_views:
@@ -180,3 +181,31 @@ class FlatDiagState:
         elif momentum is not self.mom_views:
             self.mom = self.cat(momentum)
             self.mom_views = self.views(self.mom)
+
+
+class FlatWeights:
+    """The covered parameters' storage as one flat vector: each parameter's ``.data`` becomes a view of
+    ``weights``, and ``grad_views`` are views of one gradient vector ``grads`` that a backward fills when they are
+    set as the parameters' ``.grad``. The native diagonal step (:mod:`continual_blr.optim.diag_step`) writes the
+    weight sample θ into ``weights`` with one operation and the new mean with another, where the per-parameter
+    path splits, views and copies every parameter twice a step. ``mean`` is a vector for the mean while the
+    weights hold θ.
+
+    Nothing else changes for the model: the parameters keep their shapes, dtypes and autograd identity, and any
+    code may write into them. :meth:`linked` tells whether they are still views of ``weights`` (a load with
+    ``assign=True`` or a move to another device rebinds them; the step then links anew).
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        with torch.no_grad():
+            self.weights = torch.cat([p.detach().reshape(-1) for p in params])
+            for p, w in zip(params, self.weights.split([p.numel() for p in params])):
+                p.data = w.view_as(p)
+        self.grads = torch.zeros_like(self.weights)
+        self.grad_views = [g.view_as(p) for p, g in zip(params, self.grads.split([p.numel() for p in params]))]
+        self.mean = torch.empty_like(self.weights)
+        self._ptrs = [p.data_ptr() for p in params]
+
+    def linked(self, params: list[torch.nn.Parameter]) -> bool:
+        """Whether ``params`` are the parameters this buffer was made for, still views of ``weights``."""
+        return len(params) == len(self._ptrs) and all(p.data_ptr() == q for p, q in zip(params, self._ptrs))

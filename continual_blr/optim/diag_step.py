@@ -1,6 +1,8 @@
 """The diagonal BLR step on flat buffers: the hot path of ``BayesianLearningRule`` for a diagonal prior.
 
-One kernel per line of the algorithm over all covered parameters (one compiled kernel with ``fused``):
+One kernel per line of the algorithm over all covered parameters (one compiled loop with ``fused``; on the
+Price step's module path on CPU the native in-place loop of :mod:`continual_blr.optim.native`, with the weights
+as views of one flat vector, :class:`~continual_blr.optim.diag_state.FlatWeights`):
 the mean is gathered into one vector and written back once; S₀, m₀, the step's D, the carried D̄ and the
 momentum live in :class:`~continual_blr.optim.diag_state.FlatDiagState`, whose per-parameter views are
 the optimiser's ParamDict state; the update after the estimates is
@@ -18,9 +20,10 @@ from torch import Tensor
 
 from ..posteriors import DiagPosterior
 from ..types import DivergenceError
-from .diag_state import FlatDiagState, diag_update, fused_diag_update
+from .diag_state import FlatDiagState, FlatWeights, diag_update, fused_diag_update
 from .closures import BatchClosure
 from .estimators import gradients
+from .native import native_update
 from .noise import PooledNoise, gaussian_noise
 from .precision import data_like
 
@@ -41,6 +44,7 @@ class DiagStepMixin:
     _clip_count: Tensor | None
     _clip_total: int
     _pool: PooledNoise | None
+    _flat_weights: FlatWeights | None = None
     prior: Any
     names: list[str]
 
@@ -65,18 +69,16 @@ class DiagStepMixin:
 
     def _diag_step(self, closure: Callable, lr: float, rho: float, beta1: float) -> Tensor:
         """The diagonal step on flat vectors (:mod:`continual_blr.optim.diag_state`): one kernel per line of
-        the algorithm over all parameters (with ``fused`` one compiled kernel, :func:`fused_diag_update`).
+        the algorithm over all parameters; with ``fused`` one compiled loop: on the module path on CPU the native
+        in-place update (:meth:`_native_step`), else :func:`fused_diag_update`.
 
         Weight samples are drawn from the step's Gaussian N(m, (S₀ + D)⁻¹) (IVON's); the carried D̄ averages
         the estimates made at them.
         """
         mean_list = [p.detach() for p in self._param_list]
-        mean = torch.cat([m.reshape(-1) for m in mean_list])
         flat = self._flat_state(mean_list)
         n_mc = max(1, self.mc_samples)
         fresh = self._t % self.curvature_every == 0  # estimate ĥ on this step (every step unless curvature_every)
-        if flat.s is None:  # S = S₀ + D (kept from the last update while neither was replaced)
-            flat.s = flat.s0 + flat.data
         price = self.curvature == "price"
         # The module path (one sample, one process, no penalty, every trainable weight covered, a plain BatchClosure:
         # a subclass may do more in its __call__): θ is written into
@@ -86,6 +88,15 @@ class DiagStepMixin:
         # anything fails before).
         module = (price and n_mc == 1 and self.module_step and self._covers_all and not self._parallel.active
                   and type(closure) is BatchClosure and closure.penalty is None and closure.model is self.model)
+        if module and self.fused:  # on CPU with a C compiler: the native loop, in place (native.py)
+            kernel = native_update(mean_list[0].dtype, mean_list[0].device, positivity=True, h_from_sample=True,
+                                   momentum=beta1 > 0, clip=self.clip_radius is not None, damping=self.damping > 0,
+                                   fresh=fresh, separate=flat.avg is not None)
+            if kernel is not None:
+                return self._native_step(kernel, closure, flat, lr, rho, beta1, fresh)
+        mean = torch.cat([m.reshape(-1) for m in mean_list])
+        if flat.s is None:  # S = S₀ + D (kept from the last update while neither was replaced)
+            flat.s = flat.s0 + flat.data
         try:
             loss_sum, g_sum, h_sum, eps, r = self._samples(closure, flat, mean, mean_list, n_mc, fresh, price, module)
             return self._diag_update(flat, mean, mean_list, loss_sum, g_sum, h_sum, eps, r, n_mc, price, lr, rho,
@@ -118,16 +129,8 @@ class DiagStepMixin:
                 if module:  # ĝ_data = (N/B) ∇ Σ_i ℓ_i(θ), one backward into flat gradient views
                     g_data = torch.zeros_like(mean)
                     _write(mean_list, flat, theta)
-                    try:
-                        for p, v, m in zip(self._param_list, flat.split(g_data), mean_list):
-                            p.grad = v.view_as(m)
-                        losses = closure.module_losses()  # type: ignore[union-attr]
-                        scale, _ = self._parallel.scales(losses.shape[0], self.n_data)
-                        (scale * losses.sum()).backward()
-                    finally:
-                        for p in self._param_list:
-                            p.grad = None
-                    loss = self._parallel.mean_loss(losses.detach(), self.n_data)
+                    views = [v.view_as(m) for v, m in zip(flat.split(g_data), mean_list)]
+                    loss = self._module_backward(closure, views)  # type: ignore[arg-type]
                     g, h = g_data, g_data  # ĥ is formed inside the update (h_from_sample)
                     loss_sum, g_sum, h_sum = loss, g, h
                     continue
@@ -165,13 +168,7 @@ class DiagStepMixin:
             if h_sum is not None:
                 h_sum.div_(n_mc)
         h_from_sample = price and n_mc == 1 and not self._parallel.active
-        t = self._t + 1
-        rho_step, rho_avg = self._rates(rho, fresh)
-        use_mom = beta1 > 0
-        if use_mom and flat.mom is None:  # u₀ = 0: the first average is (1 − β₁) d
-            flat.mom = torch.zeros_like(mean)
-        unbias = 1 / (1 - beta1**t) if use_mom else 1.0
-        scalars = (1 - beta1, rho_step, rho_avg, unbias, lr, self.clip_radius or 0.0, self.n_data * self.damping)
+        t, use_mom, scalars = self._step_scalars(flat, lr, rho, beta1, fresh)
         update = fused_diag_update() if self.fused else diag_update
         if self.fused:
             scalars = tuple(torch.tensor(v, dtype=mean.dtype, device=mean.device) for v in scalars)
@@ -190,7 +187,7 @@ class DiagStepMixin:
         self._t = t
         if h_sum is not None:
             self._n_est += 1
-        flat.data, flat.s = data, s
+        flat.data, flat.s, flat.r = data, s, None
         flat.data_views = self._data = flat.views(data)
         if separate:
             flat.avg = avg
@@ -202,6 +199,79 @@ class DiagStepMixin:
             self._count_clipped(n_clip, mean.numel())
         _write(mean_list, flat, new_mean)
         return loss_sum / n_mc  # type: ignore[return-value]
+
+    def _module_backward(self, closure: BatchClosure, grads: list[Tensor]) -> Tensor:
+        """The module path's forward at the weights the model holds and one backward of (N/B) Σ_i ℓ_i into
+        ``grads`` (zeroed views, set as the covered parameters' ``.grad`` for the call); returns the mean loss."""
+        try:
+            for p, v in zip(self._param_list, grads):
+                p.grad = v
+            losses = closure.module_losses()
+            scale, _ = self._parallel.scales(losses.shape[0], self.n_data)
+            (scale * losses.sum()).backward()
+        finally:
+            for p in self._param_list:
+                p.grad = None
+        return self._parallel.mean_loss(losses.detach(), self.n_data)
+
+    def _step_scalars(self, flat: FlatDiagState, lr: float, rho: float, beta1: float,
+                      fresh: bool) -> tuple[int, bool, tuple[float, ...]]:
+        """(t, whether momentum is on, the update's scalars (1 − β₁, ρ_t, ρ̄_t, 1/(1 − β₁ᵗ), α, radius, Nγ)) for the
+        step about to be made; makes u₀ = 0 on the first step with momentum (the first average is (1 − β₁) d)."""
+        t = self._t + 1
+        rho_step, rho_avg = self._rates(rho, fresh)
+        use_mom = beta1 > 0
+        if use_mom and flat.mom is None:
+            flat.mom = torch.zeros_like(flat.s0)
+            flat.mom_views = self._momentum = flat.views(flat.mom)
+        unbias = 1 / (1 - beta1**t) if use_mom else 1.0
+        return t, use_mom, (1 - beta1, rho_step, rho_avg, unbias, lr, self.clip_radius or 0.0,
+                            self.n_data * self.damping)
+
+    def _native_step(self, kernel: Callable, closure: BatchClosure, flat: FlatDiagState, lr: float, rho: float,
+                     beta1: float, fresh: bool) -> Tensor:
+        """The module path's one-sample Price step with the native in-place update (:mod:`continual_blr.optim.native`).
+
+        The covered parameters are views of one flat vector W (:class:`~continual_blr.optim.diag_state.FlatWeights`):
+        the mean is copied out of W, θ = m + ε ∘ r is written into W with one ``addcmul``, one backward fills the
+        flat gradient, and the update writes the new mean into W and D, D̄, u and the next r = (S₀ + D)^{-1/2} into
+        the optimiser's flat state, whose per-parameter views therefore stay the same objects from step to step.
+        The algebra is :meth:`_diag_update`'s (rounded as the C loop writes it, ``tests/test_blr_native.py``); a
+        non-finite loss or ĝ stops the step before anything is written, with the weights back at the mean.
+        """
+        link = self._flat_weights
+        if link is None or not link.linked(self._param_list):
+            link = self._flat_weights = FlatWeights(self._param_list)
+        w, mean, g = link.weights, link.mean, link.grads
+        mean.copy_(w)
+        eps = self._noise(mean)
+        if flat.r is None:
+            flat.r = torch.rsqrt(flat.s0 + flat.data)
+        torch.addcmul(mean, eps, flat.r, out=w)
+        try:
+            g.zero_()
+            with torch.enable_grad():
+                loss = self._module_backward(closure, link.grad_views)
+            t, use_mom, scalars = self._step_scalars(flat, lr, rho, beta1, fresh)
+            ok, n_clip = False, 0
+            if bool(torch.isfinite(loss)):
+                ok, n_clip = kernel(g, g, mean, w, flat.m0, flat.s0, flat.data, flat.avg if flat.avg is not None else g,
+                                    flat.mom if use_mom else g, eps, flat.r, scalars)
+        except BaseException:
+            w.copy_(mean)
+            raise
+        if not ok:  # nothing was written: name the culprit and stop with the weights at the mean
+            w.copy_(mean)
+            self._check_finite(loss, flat.views(g), flat.views(g * eps / flat.r))
+            raise DivergenceError(f"BLR step {t}: the update is not finite; lower lr (α), or bound the "
+                                  "step with damping or clip_radius")
+        self._t = t
+        if fresh:
+            self._n_est += 1
+        flat.s = None  # S₀ + D is not kept on this path (r is)
+        if self.clip_radius is not None:
+            self._count_clipped(n_clip, flat.s0.numel())
+        return loss
 
     def _count_clipped(self, n_clip: Tensor, numel: int) -> None:
         """Accumulate the number of clipped coordinates (read by :meth:`pop_clipped_fraction`; no sync here)."""
