@@ -56,10 +56,11 @@ def process_library_hash(root: Path = ROOT) -> str:
 
 
 def library_hash(root: Path = ROOT) -> str:
-    """SHA-256 over the sorted relative paths and bytes of ``continual_blr/**/*.py`` (first 16 hex digits)."""
+    """SHA-256 over the sorted relative paths and bytes of the library's sources, ``continual_blr/**/*.py`` and the
+    C source of the native update (``*.c``) (first 16 hex digits)."""
     h = hashlib.sha256()
     pkg = root / "continual_blr"
-    for p in sorted(pkg.rglob("*.py")):
+    for p in sorted(q for q in pkg.rglob("*") if q.suffix in (".py", ".c") and "__pycache__" not in q.parts):
         h.update(str(p.relative_to(root)).encode())
         h.update(b"\0")
         h.update(p.read_bytes())

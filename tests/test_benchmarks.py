@@ -557,3 +557,20 @@ def test_perf_blr_end_to_end_reports_the_median_of_paired_ratios_over_rounds(mon
     assert "--repeats 3 --configs none blr_price" in text and "| ivon |" not in text
     with pytest.raises(ValueError, match=r"--configs: got 'adam'; allowed: none, blr, blr_price, ivon"):
         perf.end_to_end(None, True, "split_mnist", configs=("none", "adam"))
+
+
+def test_the_library_hash_covers_the_native_c_source(tmp_path):
+    """A record is current only while the code it ran on is: the hash moves with a ``.py`` file and with the native
+    update's C source (``continual_blr/optim/native_update.c``), not with a compiled cache file."""
+    rr = _load_reproduce().run_records
+    pkg = tmp_path / "continual_blr" / "optim"
+    pkg.mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "k.c").write_text("int f(void) { return 1; }\n")
+    first = rr.library_hash(tmp_path)
+    (pkg / "__pycache__").mkdir()
+    (pkg / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\0")
+    assert rr.library_hash(tmp_path) == first
+    (pkg / "k.c").write_text("int f(void) { return 2; }\n")
+    assert rr.library_hash(tmp_path) != first
+    assert rr.library_hash() != rr.library_hash(tmp_path)
