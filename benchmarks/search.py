@@ -32,6 +32,7 @@ import argparse
 import copy
 import dataclasses
 import itertools
+import hashlib
 import json
 import re
 import statistics
@@ -151,6 +152,17 @@ def _mode(quick: bool, validation: float) -> str:
     return ("quick" if quick else "full") + (f"_validation{validation:g}" if validation else "_test")
 
 
+def _record_path(folder: Path, label: str, seed: int, key: dict[str, Any]) -> Path:
+    """Where a point's run is stored: ``<label>_seed<seed>.json``, named by the varied keys, unless that file holds
+    another run (another search varied the same keys on another base): then ``<label>_<digest of the run key>_seed<seed>.json``,
+    so that no search's record overwrites another's."""
+    plain = folder / f"{_safe(label)}_seed{seed}.json"
+    if not plain.is_file() or json.loads(plain.read_text()).get("key") == key:
+        return plain
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    return folder / f"{_safe(label)}_{digest}_seed{seed}.json"
+
+
 def run_point(base, params: dict[str, Any], label: str, seed: int, validation: float, runs_dir: Path,
               force: bool = False) -> dict[str, Any]:
     """Run (or reload) the base config with ``params`` as its method's params on one seed.
@@ -178,7 +190,7 @@ def run_point(base, params: dict[str, Any], label: str, seed: int, validation: f
     cfg.stream.validation = validation
     key = run_key(cfg)
     scenario = cfg.stream.scenario or "default"
-    path = runs_dir / scenario / _mode(cfg.quick, validation) / f"{_safe(label)}_seed{seed}.json"
+    path = _record_path(runs_dir / scenario / _mode(cfg.quick, validation), label, seed, key)
     if path.is_file() and not force:
         stored = json.loads(path.read_text())
         if stored.get("key") == key and run_records.is_current(stored):

@@ -574,3 +574,35 @@ def test_the_library_hash_covers_the_native_c_source(tmp_path):
     (pkg / "k.c").write_text("int f(void) { return 2; }\n")
     assert rr.library_hash(tmp_path) != first
     assert rr.library_hash() != rr.library_hash(tmp_path)
+
+
+def test_two_searches_varying_the_same_key_on_other_bases_keep_both_records(tmp_path):
+    """A point's record is named by the varied keys; a second search that varies the same key on another base (here
+    the config's train budget edited between the two) stores its run beside the first one's instead of over it, and
+    both searches' runs are reused when they are run again."""
+    search = _load_script("search")
+    configs = _tiny_configs(tmp_path)
+    argv = _search_args(tmp_path, "--grid", "lam=0", "--seeds", "0", "--validation", "0.25")
+    assert search.main(argv) == 0
+    folder = tmp_path / "runs" / "tiny" / "ewc" / "task" / "full_validation0.25"
+    plain = json.loads((folder / "lam=0_seed0.json").read_text())
+    config = configs / "tiny" / "ewc.yaml"
+    first_base, other_base = config.read_text(), config.read_text().replace("epochs: 5", "epochs: 2")
+    config.write_text(other_base)
+    assert search.main(argv) == 0
+    assert json.loads((folder / "lam=0_seed0.json").read_text()) == plain  # not overwritten
+    (other,) = [p for p in folder.glob("lam=0_*_seed0.json")]
+    assert json.loads(other.read_text())["key"]["train"]["epochs"] == 2
+    import continual_blr.runner as runner
+
+    def boom(*a, **k):
+        raise AssertionError("a finished run was rerun")
+
+    runner_run = runner.run_config
+    runner.run_config = boom
+    try:
+        for base in (first_base, other_base):
+            config.write_text(base)
+            assert search.main(argv) == 0
+    finally:
+        runner.run_config = runner_run
