@@ -10,10 +10,14 @@ uniform pixels, the ``blr_price.yaml`` step (Price estimate, fused update, one w
 the ``none`` step (Adam on the mean cross-entropy). Besides the two whole steps (``loop.train_step``) it times
 the pieces that a Price step does and an Adam step does not, each on its own with the same sizes:
 
-* ``randn`` — one Gaussian draw per weight with a ``torch.Generator`` (the weight sample ε);
+* ``randn`` — one Gaussian draw per weight with a ``torch.Generator`` (``noise: gaussian``'s ε);
+* ``pooled draw`` — ``noise: pooled``'s ε (:class:`continual_blr.optim.noise.PooledNoise`: a shifted window of a
+  Gaussian pool with fresh signs), what ``blr_price.yaml`` draws;
 * ``sample`` — θ = m + ε ⊙ (S₀ + D)^{-1/2} given ε (``rsqrt`` and ``addcmul``);
 * ``fused update`` — :func:`continual_blr.optim.diag_state.fused_diag_update` on flat vectors (reads g, m, m₀,
-  S₀, D, D̄, u, ε, r; writes m, u, D, D̄, S);
+  S₀, D, D̄, u, ε, r; writes m, u, D, D̄, S as new tensors; inductor);
+* ``native update`` — :func:`continual_blr.optim.native.native_update`, the same update as one C loop in place
+  (writes m, u, D, D̄ and the next r into the given buffers): what the Price step runs on CPU;
 * ``Adam update`` — ``torch.optim.Adam.step`` on the same weights with gradients in place;
 * ``functional fwd+bwd`` — ``torch.func.functional_call`` + ``autograd.grad`` + concatenation (how the BLR
   evaluates a sample), against ``module fwd+bwd`` (the module's own forward and ``backward`` into ``.grad``);
@@ -21,7 +25,8 @@ the pieces that a Price step does and an Adam step does not, each on its own wit
   every BLR step).
 
 The **floor** is the time a Price step cannot go below without a cheaper generator or a cheaper update:
-module fwd+bwd + randn + sample + fused update, over the Adam step. Each piece is timed alone, with its inputs hot
+module fwd+bwd + pooled draw + sample + native update (the fused update where the native one is unavailable),
+over the Adam step. Each piece is timed alone, with its inputs hot
 in cache; inside a step the update's 14 vectors come from memory after the forward/backward (a cProfile of whole
 steps put the fused update at ~1.5 ms against ~0.7 ms alone), so the floor is optimistic. What the whole Price step
 spends above it is that, and Python and bookkeeping.
@@ -45,12 +50,14 @@ from continual_blr.loop import train_step
 from continual_blr.methods import TrainConfig, build_method
 from continual_blr.models import build_model
 from continual_blr.optim.diag_state import fused_diag_update
+from continual_blr.optim.native import native_update
+from continual_blr.optim.noise import PooledNoise
 from continual_blr.types import Batch
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = 128
 PRICE = {"clip_radius": 0.03, "curvature": "price", "init_hess": 0.01, "carry": "ggn", "carry_examples": 2000,
-         "fused_step": True, "rho": 0.01, "temperature": 0.0003}  # configs/split_mnist/blr_price.yaml
+         "fused_step": True, "rho": 0.01, "temperature": 0.0003, "noise": "pooled"}  # configs/split_mnist/blr_price.yaml
 TARGET = 1.5  # issue 23: the table's BLR run <= 1.5 x none, end to end
 
 
@@ -91,6 +98,8 @@ def pieces() -> dict:
     kw = dict(positivity=True, h_from_sample=True, momentum=True, clip=True, damping=False, fresh=True, separate=True)
     scalars = tuple(torch.tensor(v) for v in (0.1, 0.01, 0.01, 1.0, 1e-4, 0.03, 0.0))
     update = fused_diag_update()
+    native = native_update(torch.float32, torch.device("cpu"), **kw)
+    buffers = [v.clone() for v in (mean, data, avg, mom, r)]  # the native loop writes these: its own copies
     adam_model = _model()
     adam = torch.optim.Adam(adam_model.parameters(), lr=1e-4)
     for p in adam_model.parameters():
@@ -115,8 +124,12 @@ def pieces() -> dict:
     def toggle():
         mod.eval()
         mod.train()
-    return {"randn": lambda: torch.randn(n, generator=g), "sample": lambda: torch.addcmul(mean, eps, torch.rsqrt(s0)),
+    pool = PooledNoise(64)
+    cpu = torch.device("cpu")
+    return {"randn": lambda: torch.randn(n, generator=g), "pooled draw": lambda: pool(n, g, torch.float32, cpu), "sample": lambda: torch.addcmul(mean, eps, torch.rsqrt(s0)),
             "fused update": lambda: update(gr, h, mean, m0, s0, data, avg, mom, eps, r, *scalars, **kw),
+            **({"native update": lambda: native(gr, gr, mean, buffers[0], m0, s0, *buffers[1:4], eps, buffers[4],
+                                                (0.1, 0.01, 0.01, 1.0, 1e-4, 0.03, 0.0))} if native else {}),
             "Adam update": adam.step, "functional fwd+bwd": functional, "module fwd+bwd": module,
             "eval/train toggle": toggle}, n
 
@@ -141,7 +154,8 @@ def measure(rounds: int, calls: int) -> tuple[dict, int]:
 
 def report(ms: dict, n: int, rounds: int, calls: int, command: str) -> str:
     none, price = ms["none step"], ms["price step"]
-    floor = ms["module fwd+bwd"] + ms["randn"] + ms["sample"] + ms["fused update"]
+    update = "native update" if "native update" in ms else "fused update"
+    floor = ms["module fwd+bwd"] + ms["pooled draw"] + ms["sample"] + ms[update]
     lines = ["# The Price BLR step: where its time goes, and its floor", "", "Produced by:", "", "```", command, "```", "",
              f"{n:,} weights (MLP 784-256-256, five 2-way heads), minibatch {BATCH}; median CPU ms per call over "
              f"{rounds} rounds of {calls} calls, every row interleaved in each round; 1 torch thread; "
@@ -151,13 +165,14 @@ def report(ms: dict, n: int, rounds: int, calls: int, command: str) -> str:
     for k, v in ms.items():
         lines.append(f"| {k} | {v:.3f} | {v / none:.2f} |")
     lines += ["", f"* Price step / none step: **{price / none:.2f} ×**.",
-              f"* Floor of the Price step (module fwd+bwd + randn + sample + fused update): {floor:.2f} ms = "
+              f"* Floor of the Price step (module fwd+bwd + pooled draw + sample + {update}): {floor:.2f} ms = "
               f"**{floor / none:.2f} ×** the none step; the Price step spends {price - floor:.2f} ms above it "
               "(Python bookkeeping, and the pieces' inputs coming from memory inside a step rather than from hot caches, as "
-              "when each is timed alone: a profile of the whole step put the fused update at about twice its time here).",
+              "when each is timed alone: a profile of the whole step put the update at about twice its time here).",
               f"* The Gaussian draw alone is {ms['randn'] / none:.2f} × a none step "
-              f"({1e6 * ms['randn'] / n:.1f} ns per weight), the fused update "
-              f"{ms['fused update'] / ms['Adam update']:.2f} × Adam's update.",
+              f"({1e6 * ms['randn'] / n:.1f} ns per weight), the pooled draw {ms['pooled draw'] / none:.2f} ×; the "
+              f"{update} {ms[update] / ms['Adam update']:.2f} × Adam's update (inductor's fused update "
+              f"{ms['fused update'] / ms['Adam update']:.2f} ×).",
               f"* Issue 23's target is {TARGET} × none end to end; a whole run adds the same evaluation and data work to "
               "both, which dilutes the step ratio toward 1 (see `perf_blr_end_to_end_split_mnist.md`)."]
     return "\n".join(lines) + "\n"
