@@ -606,3 +606,35 @@ def test_two_searches_varying_the_same_key_on_other_bases_keep_both_records(tmp_
             assert search.main(argv) == 0
     finally:
         runner.run_config = runner_run
+
+
+def test_check_equivalence_reruns_at_the_records_thread_count(tmp_path, monkeypatch, capsys):
+    """Matrix products round differently with another number of threads, so a rerun is compared at the record's own
+    torch thread count (``threads`` in the record) unless ``--threads`` says otherwise."""
+    import torch
+
+    reproduce = _load_reproduce()
+    check = _load_check_equivalence()
+    rr = check.run_records
+    _tiny_configs(tmp_path)
+    runs = tmp_path / "runs"
+    reproduce.main(_args(tmp_path, "--methods", "none", "--seeds", "0", "--threads", "1"))
+    assert json.loads((runs / "tiny/task/full/none_seed0.json").read_text())["threads"] == 1
+    for mod in (rr, reproduce.run_records):
+        monkeypatch.setattr(mod, "library_hash", lambda root=None: "f" * 16)
+        monkeypatch.setattr(mod, "_PROCESS_HASH", {})
+    seen = []
+    real = check.reproduce.run_one
+
+    def spy(*a, **k):
+        seen.append(torch.get_num_threads())
+        return real(*a, **k)
+
+    monkeypatch.setattr(check.reproduce, "run_one", spy)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        check.main(["tiny/task/full", "--records-dir", str(runs), "--configs-dir", str(tmp_path / "configs")])
+        assert seen == [1] and "same" in capsys.readouterr().out
+    finally:
+        torch.set_num_threads(before)
