@@ -60,9 +60,27 @@ def same_params(new: dict | None, old: dict | None, method_name: str | None) -> 
     return ok, added if ok else []
 
 
+def append_declaration(records_dir: Path, decl: dict) -> None:
+    """Add one declaration to ``equivalent_libraries.json`` at once (read, append, write under a lock: two checks may
+    run side by side), so that an interrupted check keeps every row it verified."""
+    path = records_dir / run_records.EQUIVALENCES
+    with open(records_dir / (run_records.EQUIVALENCES + ".lock"), "w") as lock:
+        try:
+            import fcntl
+
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except ImportError:  # not POSIX: no concurrent checks there
+            pass
+        decls = run_records.declarations(records_dir) + [decl]
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({"declarations": decls}, indent=1) + "\n")
+        tmp.replace(path)
+
+
 def check_folder(records_dir: Path, folder: str, where: tuple[str, str, bool, float], args: argparse.Namespace,
                  current: str) -> list[dict]:
-    """The declarations this folder earns (one per older library hash, naming the rows whose checked rerun matched)."""
+    """The declarations this folder earns, one per verified row (older library hash, folder, row), each saved as soon
+    as its rerun matched (:func:`append_declaration`)."""
     benchmark, scenario, quick, validation = where
     recs = [json.loads(p.read_text()) | {"_name": p.stem} for p in sorted((records_dir / folder).glob("*_seed*.json"))]
     def row(r: dict) -> str:
@@ -77,6 +95,8 @@ def check_folder(records_dir: Path, folder: str, where: tuple[str, str, bool, fl
             rows.setdefault(row(r), r)
         checked = []
         for method, rec in sorted(rows.items()):
+            if args.methods and method not in args.methods:
+                continue
             if str((rec.get("config") or {}).get("device", "cpu")).startswith("cuda") and args.device == "cpu":
                 print(f"{folder} {method}: ran on {rec.get('device')}; not rerun here (--device)")
                 continue
@@ -100,11 +120,11 @@ def check_folder(records_dir: Path, folder: str, where: tuple[str, str, bool, fl
                   f"{'' if params_ok else '; the resolved parameters changed'}"
                   f"{'; new parameters at their defaults: ' + ', '.join(added) if added else ''})", flush=True)
             if same:
-                checked.append((method, f"{method}_seed{rec['seed']}"))
-        if checked:
-            made.append({"from": old, "to": current, "folders": [folder],
-                         "methods": {folder: [m for m, _ in checked]}, "checked": {folder: [c for _, c in checked]},
-                         "date": datetime.date.today().isoformat(), "commit": run_records.provenance()["commit"]})
+                decl = {"from": old, "to": current, "folders": [folder], "methods": {folder: [method]},
+                        "checked": {folder: [f"{method}_seed{rec['seed']}"]},
+                        "date": datetime.date.today().isoformat(), "commit": run_records.provenance()["commit"]}
+                append_declaration(records_dir, decl)
+                made.append(decl)
     return made
 
 
@@ -116,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs-dir", default=str(reproduce.ROOT / "configs"))
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--methods", nargs="+", default=None, help="check only these rows (default: every row)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads of every rerun (default: each record's own, else torch's default); matrix "
                          "products round differently with another thread count, so a rerun compares only at the "
@@ -138,10 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     for folder in names:
         made += check_folder(records_dir, folder, known[folder], args, current)
     if made:
-        path = records_dir / run_records.EQUIVALENCES
-        decls = run_records.declarations(records_dir) + made
-        path.write_text(json.dumps({"declarations": decls}, indent=1) + "\n")
-        print(f"declared {len(made)} equivalence(s) in {path}")
+        print(f"declared {len(made)} equivalence(s) in {records_dir / run_records.EQUIVALENCES}")
     else:
         print("declared nothing")
     return 0

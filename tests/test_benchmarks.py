@@ -638,3 +638,36 @@ def test_check_equivalence_reruns_at_the_records_thread_count(tmp_path, monkeypa
         assert seen == [1] and "same" in capsys.readouterr().out
     finally:
         torch.set_num_threads(before)
+
+
+def test_an_interrupted_equivalence_check_keeps_the_rows_it_verified(tmp_path, monkeypatch):
+    """Each verified row is declared as soon as its rerun matched: a check stopped during the next row's rerun keeps
+    the first row current; ``--methods`` checks only the rows named."""
+    reproduce = _load_reproduce()
+    check = _load_check_equivalence()
+    rr = check.run_records
+    _tiny_configs(tmp_path)
+    runs = tmp_path / "runs"
+    reproduce.main(_args(tmp_path, "--methods", "none", "ewc", "--seeds", "0", "--threads", "1"))
+    for mod in (rr, reproduce.run_records):
+        monkeypatch.setattr(mod, "library_hash", lambda root=None: "f" * 16)
+        monkeypatch.setattr(mod, "_PROCESS_HASH", {})
+    real = check.reproduce.run_one
+
+    def stop_at_none(benchmark, method, *a, **k):  # rows run in name order: ewc, then none
+        if method == "none":
+            raise KeyboardInterrupt
+        return real(benchmark, method, *a, **k)
+
+    monkeypatch.setattr(check.reproduce, "run_one", stop_at_none)
+    args = ["tiny/task/full", "--records-dir", str(runs), "--configs-dir", str(tmp_path / "configs")]
+    with pytest.raises(KeyboardInterrupt):
+        check.main(args)
+    folder = "tiny/task/full"
+    ewc, none = (json.loads((runs / folder / f"{m}_seed0.json").read_text()) for m in ("ewc", "none"))
+    assert rr.is_current(ewc, folder=folder, records_dir=runs)
+    assert not rr.is_current(none, folder=folder, records_dir=runs)
+    monkeypatch.setattr(check.reproduce, "run_one", real)
+    check.main(args + ["--methods", "none"])
+    assert rr.is_current(none, folder=folder, records_dir=runs)
+    assert len(rr.declarations(runs)) == 2
