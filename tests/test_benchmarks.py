@@ -608,21 +608,28 @@ def test_two_searches_varying_the_same_key_on_other_bases_keep_both_records(tmp_
         runner.run_config = runner_run
 
 
-def test_check_equivalence_reruns_at_the_records_thread_count(tmp_path, monkeypatch, capsys):
-    """Matrix products round differently with another number of threads, so a rerun is compared at the record's own
-    torch thread count (``threads`` in the record) unless ``--threads`` says otherwise."""
-    import torch
-
+def _records_on_a_changed_library(tmp_path, monkeypatch, *methods: str):
+    """Records of ``methods`` (seed 0, one thread) on the tiny configs, then a library "change" (its hash is now
+    another one): (reproduce, check_equivalence, run_records, records dir)."""
     reproduce = _load_reproduce()
     check = _load_check_equivalence()
     rr = check.run_records
     _tiny_configs(tmp_path)
     runs = tmp_path / "runs"
-    reproduce.main(_args(tmp_path, "--methods", "none", "--seeds", "0", "--threads", "1"))
-    assert json.loads((runs / "tiny/task/full/none_seed0.json").read_text())["threads"] == 1
+    reproduce.main(_args(tmp_path, "--methods", *methods, "--seeds", "0", "--threads", "1"))
     for mod in (rr, reproduce.run_records):
         monkeypatch.setattr(mod, "library_hash", lambda root=None: "f" * 16)
         monkeypatch.setattr(mod, "_PROCESS_HASH", {})
+    return reproduce, check, rr, runs
+
+
+def test_check_equivalence_reruns_at_the_records_thread_count(tmp_path, monkeypatch, capsys):
+    """Matrix products round differently with another number of threads, so a rerun is compared at the record's own
+    torch thread count (``threads`` in the record) unless ``--threads`` says otherwise."""
+    import torch
+
+    reproduce, check, rr, runs = _records_on_a_changed_library(tmp_path, monkeypatch, "none")
+    assert json.loads((runs / "tiny/task/full/none_seed0.json").read_text())["threads"] == 1
     seen = []
     real = check.reproduce.run_one
 
@@ -643,15 +650,7 @@ def test_check_equivalence_reruns_at_the_records_thread_count(tmp_path, monkeypa
 def test_an_interrupted_equivalence_check_keeps_the_rows_it_verified(tmp_path, monkeypatch):
     """Each verified row is declared as soon as its rerun matched: a check stopped during the next row's rerun keeps
     the first row current; ``--methods`` checks only the rows named."""
-    reproduce = _load_reproduce()
-    check = _load_check_equivalence()
-    rr = check.run_records
-    _tiny_configs(tmp_path)
-    runs = tmp_path / "runs"
-    reproduce.main(_args(tmp_path, "--methods", "none", "ewc", "--seeds", "0", "--threads", "1"))
-    for mod in (rr, reproduce.run_records):
-        monkeypatch.setattr(mod, "library_hash", lambda root=None: "f" * 16)
-        monkeypatch.setattr(mod, "_PROCESS_HASH", {})
+    reproduce, check, rr, runs = _records_on_a_changed_library(tmp_path, monkeypatch, "none", "ewc")
     real = check.reproduce.run_one
 
     def stop_at_none(benchmark, method, *a, **k):  # rows run in name order: ewc, then none
