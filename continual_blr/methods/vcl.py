@@ -21,7 +21,11 @@ Two optimisers (``optimizer``):
 * ``"bbb"`` — Bayes-by-backprop: Adam on (μ, log σ²) with the reparameterisation gradient of the
   objective above, θ_s = μ + σ ∘ ε_s, ``mc_samples`` draws per step, the KL in closed form
   (:class:`~continual_blr.regularizers.kl.KLPrior`); log σ² starts at ``init_log_variance`` (−6 in the
-  paper) and q_t starts at q_{t−1}.
+  paper) and q_t starts at q_{t−1}. ``estimator`` picks how E_q[ℓ] is estimated: ``"weights"`` draws θ_s
+  (one draw shared by the minibatch, the paper's code); ``"local"`` draws each linear layer's
+  pre-activations per example (the local reparameterisation, :mod:`continual_blr.methods.local_reparam`):
+  the same expectation with a lower-variance gradient and no weight matrix drawn, for networks whose
+  sampled parameters are all ``nn.Linear``'s (the MLPs).
 
 **Why log σ² has its own Adam step (``log_var_lr``).** Adam divides each coordinate's gradient by its
 running RMS, so when a gradient keeps its sign the coordinate moves by ≈ lr per step whatever the
@@ -79,12 +83,14 @@ from ..posteriors import DiagPosterior
 from ..regularizers.kl import KLPrior
 from ..regularizers.weight_space import used_parameters
 from ..types import Batch, params_of
+from . import local_reparam
 from .base import Method, TrainConfig, fit_auxiliary, mean_nll
 from .blr import BLRMethod, BLRParams
 
-__all__ = ["VCLParams", "VCLMethod", "select_coreset", "OPTIMIZERS", "CORESETS", "VOGN_CURVATURES"]
+__all__ = ["VCLParams", "VCLMethod", "select_coreset", "OPTIMIZERS", "CORESETS", "VOGN_CURVATURES", "ESTIMATORS"]
 
 OPTIMIZERS = ("vogn", "bbb")
+ESTIMATORS = ("weights", "local")
 CORESETS = ("random", "kcenter")
 VOGN_CURVATURES = ("empirical_fisher", "ggn", "mc_fisher", "gauss_newton")
 
@@ -109,6 +115,8 @@ class VCLParams:
         lr: bbb: Adam's step on μ (None: ``train.lr``); vogn: the BLR's mean step α (None: 0.1, chosen on
             split digits validation: ``benchmarks/results/search_defaults_redo.md``).
         log_var_lr: bbb only: Adam's step on log σ² (module docstring; None: the same as ``lr``).
+        estimator: bbb only: ``"weights"`` (θ_s = μ + σ ∘ ε_s shared by the minibatch) or ``"local"`` (the
+            local reparameterisation: per-example pre-activation draws; only for ``nn.Linear`` parameters).
         rho: vogn only: the precision rate ρ.
         beta1: vogn only: momentum on the mean direction.
         curvature: vogn only: ĥ of the BLR step (``"empirical_fisher"``: VOGN's squared per-example
@@ -132,6 +140,7 @@ class VCLParams:
     predict_samples: int = 20
     lr: float | None = None
     log_var_lr: float | None = None
+    estimator: str = "weights"
     rho: float = 0.05
     beta1: float = 0.9
     curvature: str = "empirical_fisher"
@@ -148,6 +157,10 @@ class VCLParams:
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"params.optimizer: got {self.optimizer!r}; allowed: {', '.join(map(repr, OPTIMIZERS))}")
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"params.estimator: got {self.estimator!r}; allowed: {', '.join(map(repr, ESTIMATORS))}")
+        if self.estimator != "weights" and self.optimizer != "bbb":
+            raise ValueError(f"params.estimator: {self.estimator!r} is for optimizer 'bbb' only (vogn draws weights)")
         if not self.prior_precision > 0:
             raise ValueError(f"params.prior_precision: must be > 0, got {self.prior_precision}")
         min_samples = 1 if self.optimizer == "bbb" else 0
@@ -407,9 +420,18 @@ class VCLMethod(Method):
 
     def loss(self, model: nn.Module, batch: Batch, task: Task) -> Tensor:
         """Bayes-by-backprop: (1/S) Σ_s mean_i ℓ_i(μ + σ ∘ ε_s) + KL(q ‖ q_{t−1}) / N (active parameters;
-        the others are not sampled — the task's loss does not use them)."""
+        the others are not sampled — the task's loss does not use them). With ``estimator: local`` the S
+        draws are of each example's pre-activations instead (the same expectation)."""
         assert self.kl is not None, "loss() is the bbb objective; vogn trains through the BLR optimiser"
         mean = params_of(model, self.active, detach=False)
+        if self.params.estimator == "local":
+            S = self.params.mc_samples
+            var = {k: torch.exp(self.kl.log_var[k]) for k in mean}
+            out = local_reparam.expected_outputs(model, mean, var, batch.x, S, self.generator,
+                                                 {"head": batch.head})
+            y = batch.y.repeat(S, *([1] * (batch.y.dim() - 1)))
+            nll = mean_nll(out, y, self.likelihood, self.sigma)
+            return nll + self.kl.penalty(model, batch, task)  # type: ignore[return-value]
         nll = 0.0
         for _ in range(self.params.mc_samples):
             theta = {}

@@ -294,7 +294,7 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
         self._momentum: ParamDict | None = None
         self._flat = None  # the diagonal step's flat buffers (DiagStepMixin._flat_state)
         self._t = 0
-        self._clip_count: Tensor | None = None
+        self._clip_count: Tensor | int | None = None
         self._clip_total = 0
         self._parallel = DataParallelStep()  # per-step data-parallel scales (rank_samples lives there)
 

@@ -41,7 +41,7 @@ class DiagStepMixin:
     ``_parallel``, the settings)."""
 
     _flat: FlatDiagState | None
-    _clip_count: Tensor | None
+    _clip_count: Tensor | int | None
     _clip_total: int
     _pool: PooledNoise | None
     _flat_weights: FlatWeights | None = None
@@ -273,8 +273,9 @@ class DiagStepMixin:
             self._count_clipped(n_clip, flat.s0.numel())
         return loss
 
-    def _count_clipped(self, n_clip: Tensor, numel: int) -> None:
-        """Accumulate the number of clipped coordinates (read by :meth:`pop_clipped_fraction`; no sync here)."""
+    def _count_clipped(self, n_clip: Tensor | int, numel: int) -> None:
+        """Accumulate the number of clipped coordinates (read by :meth:`pop_clipped_fraction`): a tensor on
+        the torch paths (no sync here), an int from the native step."""
         self._clip_count = n_clip if self._clip_count is None else self._clip_count + n_clip
         self._clip_total += numel
 
