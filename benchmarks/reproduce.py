@@ -7,6 +7,7 @@ Run (real MNIST under ``--data-dir``; CPU):
     python benchmarks/reproduce.py split_mnist --scenario class --methods fromp none --seeds 0
     python benchmarks/reproduce.py split_digits --methods blr none --seeds 0 1 --quick   # smoke run
     python benchmarks/reproduce.py split_mnist --methods ewc --seeds 0 1 --validation 0.1 --data-dir DATA
+    python benchmarks/reproduce.py permuted_mnist/paper_budget --methods vcl --seeds 0 --work-dir ~/cl-runs  # resumable
 
 Each (benchmark, scenario, method, seed) run reads ``configs/<benchmark>/<scenario>/<method>.yaml`` when the
 command names a scenario and that file exists, else ``configs/<benchmark>/<method>.yaml``, runs the one training
@@ -25,6 +26,12 @@ alone (``--tables-only`` rewrites it without running; ``benchmarks/tables.py`` r
 records, and its ``--check`` is what CI runs). Text below the ``<!-- notes -->`` line of an existing report (the
 hand-written closing note) is kept when the report is rewritten. ``--keep`` (for a runs folder that is not the
 committed records) keeps rows of the existing report whose runs are not stored there, labelled as kept.
+
+``--work-dir DIR`` is for runs longer than a session: each run's folder is kept under ``DIR`` (outside the
+repository) with a checkpoint after every task, and the same command continues an unfinished run there,
+bit-identically, from its last finished task (SIGTERM or Ctrl-C stop it with exit status 130). The record's CPU
+and wall times are the sums over the processes that ran it, each listed under ``attempts``
+(:func:`run_resumable`).
 
 ``--validation F`` evaluates on ``F`` of each task's training data held out (``stream.validation``)
 instead of the test set: runs go to ``.../<full|quick>_validation<F>/``, the table to
@@ -59,6 +66,7 @@ REFERENCES: dict[tuple[str, str, str], tuple[float, str]] = {
     ("permuted_mnist", "domain", "blr"): (94.0, "VOGN, Eschenhagen et al. 2019, Table 1"),
     ("permuted_mnist", "domain", "fromp"): (94.8, "FROMP paper / reference code README"),
     ("permuted_mnist", "domain", "vcl"): (94.6, "improved VCL + random coreset of 200 per task, FROMP paper Table 1 (93.0 without)"),
+    ("permuted_mnist/paper_budget", "domain", "vcl"): (94.6, "improved VCL + random coreset of 200 per task, FROMP paper Table 1 (93.0 without)"),
     ("permuted_mnist", "domain", "ewc"): (84.0, "EWC, Eschenhagen 2019 Table 1 (same network)"),
     ("split_cifar", "task", "fromp"): (76.2, "FROMP paper / reference code README"),
     ("split_mnist", "class", "fromp-classes-all"): (33.4, "FROMP code run by others, class-incremental"),
@@ -162,8 +170,15 @@ def run_one(benchmark: str, method: str, seed: int, args: argparse.Namespace, ru
     origin = run_records.provenance(cfg.device)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     t0, c0 = time.perf_counter(), time.process_time()
-    result = run_config(cfg, save=False)[0]
-    record = result.to_dict() | {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
+    attempts = None
+    if getattr(args, "work_dir", None):
+        work = _runs_folder(Path(args.work_dir), benchmark, scenario, args.quick, validation) / f"{method}_seed{seed}"
+        result, attempts = run_resumable(cfg, work, force=args.force)
+        wall_s, cpu_s = (sum(a[k] for a in attempts["attempts"]) for k in ("wall_s", "cpu_s"))
+    else:
+        result = run_config(cfg, save=False)[0]
+        wall_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    record = result.to_dict() | {"wall_s": wall_s, "cpu_s": cpu_s,
                                  "memory_per_task": _memory_size(cfg), "quick": args.quick,
                                  "validation": validation,
                                  "method_name": method, "command": command, "load_at_start": load,
@@ -172,11 +187,83 @@ def run_one(benchmark: str, method: str, seed: int, args: argparse.Namespace, ru
                                  if dataclasses.is_dataclass(resolved) else None,
                                  "config_file": str(config_file.relative_to(ROOT))
                                  if config_file.is_relative_to(ROOT) else None} | origin
+    if attempts is not None:  # a run continued over several processes: each one's share, times summed above
+        record["attempts"] = attempts["attempts"]
+        record["config"]["out"] = None  # the work folder is this machine's, not part of the run's settings
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=2))
     tmp.replace(path)  # atomic: a killed run never leaves a half-written record behind
     return record
+
+
+HEARTBEAT_S = 30.0  # how often a resumable run writes its attempt's CPU and wall time so far
+
+
+def run_resumable(cfg, work: Path, force: bool = False) -> tuple:
+    """Run ``cfg`` in the run folder ``work`` (outside the repository), continuing it if a process before this
+    one was stopped: the runner checkpoints after every task and ``resume`` continues from the last one,
+    bit-identically (tests/test_resume.py). Beside the folder, ``<work>.attempts.json`` keeps the library hash
+    the run began on and each process's CPU and wall seconds (written every ``HEARTBEAT_S`` and at the end, so
+    a killed process loses at most that much of its count); the record's times are their sums.
+
+    Raises:
+        SystemExit: one line, if ``work`` holds a run begun on another version of the library (``force``
+            starts it over).
+    """
+    import dataclasses
+    import shutil
+    import threading
+    from datetime import datetime, timezone
+
+    from continual_blr.runner import run_config
+
+    library = run_records.process_library_hash()
+    meta_path = work.with_name(work.name + ".attempts.json")
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else None
+    if meta is not None and meta.get("library_hash") != library:
+        if not force:
+            raise SystemExit(f"--work-dir: {work} holds a run begun on library {meta.get('library_hash')}, this is "
+                             f"{library}; add --force to start it over")
+        meta = None
+    if meta is None:
+        shutil.rmtree(work, ignore_errors=True)
+        meta = {"library_hash": library, "attempts": []}
+    resume = (work / "results.json").is_file()
+    attempt = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "resumed": resume,
+               "cpu_s": 0.0, "wall_s": 0.0, "ended": None}
+    meta["attempts"].append(attempt)
+    work.parent.mkdir(parents=True, exist_ok=True)
+    lock = threading.Lock()
+    t0, c0 = time.perf_counter(), time.process_time()
+
+    def save(ended: str | None = None) -> None:
+        with lock:
+            attempt.update(cpu_s=time.process_time() - c0, wall_s=time.perf_counter() - t0)
+            if ended is not None:
+                attempt["ended"] = ended
+            tmp = meta_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(meta, indent=2))
+            tmp.replace(meta_path)
+
+    save()
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(HEARTBEAT_S):
+            save()
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    ended = "interrupted"
+    try:
+        result = run_config(dataclasses.replace(cfg, out=str(work)), save=True, resume=resume)[0]
+        ended = "finished"
+    finally:
+        stop.set()
+        thread.join()
+        save(ended)
+    return result, meta
 
 
 def collect_records(runs_dir: Path, benchmark: str, scenario: str, quick: bool,
@@ -380,6 +467,10 @@ def main(argv: list[str] | None = None) -> int:
                              "stored and reported apart (..._validation.md)")
     parser.add_argument("--force", action="store_true", help="rerun finished runs")
     parser.add_argument("--no-progress", action="store_true", help="no per-task / per-epoch bars inside a run")
+    parser.add_argument("--work-dir", metavar="DIR",
+                        help="keep each run's folder under DIR (outside the repository) with a checkpoint after every "
+                             "task, and continue an unfinished one there: for runs longer than a session "
+                             "(run_resumable)")
     parser.add_argument("--runs-dir", default=str(run_records.RECORDS_DIR),
                         help="where run records are stored (default: benchmarks/records/, committed)")
     parser.add_argument("--configs-dir", default=str(ROOT / "configs"))
@@ -423,9 +514,25 @@ def main(argv: list[str] | None = None) -> int:
     records: dict[str, list[dict]] = {}
     scenario = None
     jobs = [(m, s) for m in args.methods for s in args.seeds]
+    from continual_blr.runner import RunInterrupted
+
+    if args.work_dir:
+        import signal
+
+        def _interrupt(signum, frame):  # SIGTERM ends a resumable run as Ctrl-C does: its attempt is counted
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, _interrupt)
     for method, seed in (bar := tqdm(jobs, desc=args.benchmark)):
         bar.set_postfix_str(f"{method} seed {seed}")
-        rec = run_one(args.benchmark, method, seed, args, runs_dir, command)
+        try:
+            rec = run_one(args.benchmark, method, seed, args, runs_dir, command)
+        except RunInterrupted:
+            if not args.work_dir:
+                raise
+            print(f"{method} seed {seed}: interrupted; its finished tasks are kept under {args.work_dir}: rerun the "
+                  "same command to continue it", file=sys.stderr)
+            return 130
         scenario = rec["scenario"]
         records.setdefault(method, []).append(rec)
         tqdm.write(f"{method} seed {seed}: avg acc {100 * rec['avg_acc']:.2f}%  ({rec['wall_s']:.0f} s)")

@@ -139,6 +139,66 @@ def test_records_hold_provenance_and_a_stale_record_is_rerun(tmp_path, monkeypat
     assert calls == [1]  # stale: rerun
 
 
+def test_a_run_in_a_work_dir_continues_after_an_interruption_bit_identically(tmp_path, monkeypatch):
+    """``--work-dir``: a run stopped after its first task (Ctrl-C / SIGTERM) returns 130 and writes no record;
+    the same command continues it from the checkpoint, and the record equals an uninterrupted run's, with both
+    processes' times counted; a work folder begun on another library is refused in one line."""
+    reproduce = _load_reproduce()
+    plain, resumable = tmp_path / "plain", tmp_path / "resumable"
+    _tiny_configs(plain)
+    _tiny_configs(resumable)
+    assert reproduce.main(_args(plain, "--methods", "ewc", "--seeds", "0")) == 0
+    expected = json.loads((plain / "runs" / "tiny" / "task" / "full" / "ewc_seed0.json").read_text())
+
+    import continual_blr.runner as runner
+
+    real = runner.run_stream
+
+    def stop_after_task_1(*a, on_task_end=None, **k):
+        def hook(progress, *rest):
+            on_task_end(progress, *rest)
+            if progress.next_task == 1:
+                raise KeyboardInterrupt
+        return real(*a, on_task_end=hook, **k)
+
+    work = tmp_path / "work"
+    args = _args(resumable, "--methods", "ewc", "--seeds", "0", "--work-dir", str(work))
+    monkeypatch.setattr(runner, "run_stream", stop_after_task_1)
+    assert reproduce.main(args) == 130
+    monkeypatch.undo()
+    record_path = resumable / "runs" / "tiny" / "task" / "full" / "ewc_seed0.json"
+    attempts_path = work / "tiny" / "task" / "full" / "ewc_seed0.attempts.json"
+    assert not record_path.exists()
+    first = json.loads(attempts_path.read_text())["attempts"]
+    assert [a["ended"] for a in first] == ["interrupted"] and first[0]["cpu_s"] > 0
+
+    trained = []
+
+    def count(*a, on_task_end=None, **k):
+        def hook(progress, *rest):
+            trained.append(progress.next_task)
+            on_task_end(progress, *rest)
+        return real(*a, on_task_end=hook, **k)
+
+    monkeypatch.setattr(runner, "run_stream", count)
+    assert reproduce.main(args) == 0
+    monkeypatch.undo()
+    assert trained == [2]  # the second process trained task 2 only
+    got = json.loads(record_path.read_text())
+    assert got["acc_matrix"] == expected["acc_matrix"] and got["train_loss"] == expected["train_loss"]
+    assert [(a["resumed"], a["ended"]) for a in got["attempts"]] == [(False, "interrupted"), (True, "finished")]
+    assert got["cpu_s"] == pytest.approx(sum(a["cpu_s"] for a in got["attempts"]))
+    assert got["config"]["out"] is None
+
+    meta = json.loads(attempts_path.read_text())
+    attempts_path.write_text(json.dumps(meta | {"library_hash": "0" * 16}))
+    record_path.unlink()
+    with pytest.raises(SystemExit) as err:
+        reproduce.main(args)
+    assert "begun on library 0000000000000000" in str(err.value) and "--force" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
 def test_provenance_takes_the_sent_commit_over_a_copied_git(monkeypatch):
     """On a machine that received a copy of the tree (a GPU machine), CONTINUAL_BLR_COMMIT / _DIRTY name the commit
     that was sent; they win over whatever ``.git`` came along, and the record says where the commit came from."""
