@@ -125,6 +125,54 @@ def test_the_library_is_built_once_into_the_cache_and_reused(tmp_path, monkeypat
     assert native._build(torch.float64, flags) != first  # another dtype: another library
 
 
+def test_a_library_being_built_is_never_visible_half_written(tmp_path, monkeypatch):
+    """Concurrent processes (torchrun) may build the same library: the cache's file name appears only when the
+    whole library is there. The compiler here writes its output in two halves a second apart; a poller of the
+    cache name must only ever see the complete file, which then loads."""
+    import ctypes
+    import shutil
+    import stat
+    import sys
+    import threading
+    import time
+
+    real_cc = shutil.which("cc")
+    if real_cc is None:
+        pytest.skip("no C compiler")
+    slow = tmp_path / "slow-cc"
+    slow.write_text(f"""#!{sys.executable}
+import subprocess, sys, time
+args = sys.argv[1:]
+if args == ["--version"]:
+    sys.exit(subprocess.call(["{real_cc}", "--version"]))
+out = args[args.index("-o") + 1]
+args[args.index("-o") + 1] = out + ".whole"
+subprocess.check_call(["{real_cc}", *args])
+data = open(out + ".whole", "rb").read()
+with open(out, "wb") as f:
+    f.write(data[: len(data) // 2]); f.flush()
+    time.sleep(1.0)
+    f.write(data[len(data) // 2:])
+""")
+    slow.chmod(slow.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CC", str(slow))
+    monkeypatch.setenv("CONTINUAL_BLR_CACHE", str(tmp_path / "cache"))
+    flags = dict.fromkeys(native.FLAGS, False)
+    built: list = []
+    thread = threading.Thread(target=lambda: built.append(native._build(torch.float32, flags)))
+    thread.start()
+    seen: list[int] = []
+    while thread.is_alive():
+        seen += [p.stat().st_size for p in (tmp_path / "cache" / "native").glob("blr_diag_update_*.so")
+                 if p.is_file()]
+        time.sleep(0.01)
+    thread.join()
+    (path,) = built
+    assert path is not None and path.name.startswith("blr_diag_update_")
+    assert set(seen) <= {path.stat().st_size}, seen  # never a partial file under the cache's name
+    ctypes.CDLL(str(path)).blr_diag_update  # noqa: B018 - the whole library loads
+
+
 def _opt(model: nn.Module, prior: DiagPosterior, fused: bool, **kw) -> BayesianLearningRule:
     return BayesianLearningRule(model, prior, n_data=200, lr=0.1, rho=0.2, mc_samples=1, curvature="price",
                                 generator=torch.Generator().manual_seed(3), fused=fused, init_hess=0.5,
