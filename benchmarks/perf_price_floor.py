@@ -36,23 +36,20 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from continual_blr.data.stream import Task
-from continual_blr.loop import train_step
-from continual_blr.methods import TrainConfig, build_method
 from continual_blr.models import build_model
 from continual_blr.optim.diag_state import fused_diag_update
 from continual_blr.optim.native import native_update
 from continual_blr.optim.noise import PooledNoise
-from continual_blr.types import Batch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_timing import interleaved_medians, step_runner  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = 128
@@ -66,24 +63,7 @@ def _model(seed: int = 0):
 
 
 def _step(name: str, params: dict, lr: float = 1e-4):
-    g = torch.Generator().manual_seed(0)
-    model = _model()
-    x = torch.rand(BATCH * 20, 784, generator=g)
-    y = torch.randint(0, 2, (BATCH * 20,), generator=g)
-    task = Task(0, x, y, x[:8], y[:8], (0, 1), name="t0")
-    train = TrainConfig(batch_size=BATCH, lr=lr)
-    model.train()
-    method = build_method(name, params, seed=0)
-    method.setup(model, None, train)  # type: ignore[arg-type]
-    method.on_task_start(model, task)
-    opt = method.make_optimizer(model, task, train)
-    batches = [Batch(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH], 0) for i in range(20)]
-    state = {"i": 0}
-
-    def run():
-        state["i"] += 1
-        train_step(model, method, opt, batches[state["i"] % 20], task, train)
-    return run
+    return step_runner(_model(), name, params, 784, 2, BATCH, lr)
 
 
 def pieces() -> dict:
@@ -138,18 +118,7 @@ def measure(rounds: int, calls: int) -> tuple[dict, int]:
     """Median CPU ms per call of each whole step and piece, interleaved round by round."""
     fns, n = pieces()
     fns = {"none step": _step("none", {}), "price step": _step("blr", PRICE)} | fns
-    for f in fns.values():
-        for _ in range(10):
-            f()
-    cpu: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, f in fns.items():
-            c0 = time.process_time()
-            for _ in range(calls):
-                f()
-            cpu[k].append((time.process_time() - c0) / calls * 1e3)
-        print("  round done", file=sys.stderr, flush=True)
-    return {k: statistics.median(v) for k, v in cpu.items()}, n
+    return interleaved_medians(fns, rounds, calls, warmup=10), n
 
 
 def report(ms: dict, n: int, rounds: int, calls: int, command: str) -> str:

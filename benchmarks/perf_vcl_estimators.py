@@ -16,18 +16,15 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from continual_blr.data.stream import Task
-from continual_blr.loop import train_step
-from continual_blr.methods import TrainConfig, build_method
 from continual_blr.models import build_model
-from continual_blr.types import Batch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_timing import interleaved_medians, step_runner  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 VCL = {"optimizer": "bbb", "prior_precision": 1.0, "init_log_variance": -6.0, "mc_samples": 10,
@@ -35,24 +32,8 @@ VCL = {"optimizer": "bbb", "prior_precision": 1.0, "init_log_variance": -6.0, "m
 
 
 def _step(name: str, params: dict, batch: int):
-    g = torch.Generator().manual_seed(0)
     model = build_model("mlp", (784,), 10, 1, hidden=(100, 100), generator=torch.Generator().manual_seed(0))
-    x = torch.rand(batch * 20, 784, generator=g)
-    y = torch.randint(0, 10, (batch * 20,), generator=g)
-    task = Task(0, x, y, x[:8], y[:8], tuple(range(10)), name="t0")
-    train = TrainConfig(batch_size=batch, lr=1e-3)
-    model.train()
-    method = build_method(name, params, seed=0)
-    method.setup(model, None, train)  # type: ignore[arg-type]
-    method.on_task_start(model, task)
-    opt = method.make_optimizer(model, task, train)
-    batches = [Batch(x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch], 0) for i in range(20)]
-    state = {"i": 0}
-
-    def run():
-        state["i"] += 1
-        train_step(model, method, opt, batches[state["i"] % 20], task, train)
-    return run
+    return step_runner(model, name, params, 784, 10, batch, 1e-3)
 
 
 def measure(rounds: int, calls: int, batches: list[int]) -> dict[tuple[str, int], float]:
@@ -62,18 +43,7 @@ def measure(rounds: int, calls: int, batches: list[int]) -> dict[tuple[str, int]
         fns[("none", b)] = _step("none", {}, b)
         fns[("vcl, estimator: weights", b)] = _step("vcl", VCL | {"estimator": "weights"}, b)
         fns[("vcl, estimator: local", b)] = _step("vcl", VCL | {"estimator": "local"}, b)
-    for f in fns.values():
-        for _ in range(5):
-            f()
-    cpu: dict[tuple[str, int], list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, f in fns.items():
-            c0 = time.process_time()
-            for _ in range(calls):
-                f()
-            cpu[k].append((time.process_time() - c0) / calls * 1e3)
-        print("  round done", file=sys.stderr, flush=True)
-    return {k: statistics.median(v) for k, v in cpu.items()}
+    return interleaved_medians(fns, rounds, calls, warmup=5)
 
 
 def report(ms: dict, rounds: int, calls: int, command: str) -> str:
