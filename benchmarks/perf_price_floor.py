@@ -49,9 +49,8 @@ from continual_blr.optim.native import native_update
 from continual_blr.optim.noise import PooledNoise
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_timing import interleaved_medians, step_runner  # noqa: E402
+from step_timing import interleaved_medians, publish, step_runner  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 BATCH = 128
 PRICE = {"clip_radius": 0.03, "curvature": "price", "init_hess": 0.01, "carry": "ggn", "carry_examples": 2000,
          "fused_step": True, "rho": 0.01, "temperature": 0.0003, "noise": "pooled"}  # configs/split_mnist/blr_price.yaml
@@ -158,12 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--rounds, --calls and --threads must be >= 1")
     torch.set_num_threads(args.threads)
     ms, n = measure(args.rounds, args.calls)
-    command = "python " + " ".join(["benchmarks/perf_price_floor.py", *sys.argv[1:]])
-    text = report(ms, n, args.rounds, args.calls, command)
-    print(text)
-    if not args.no_write:
-        (ROOT / "benchmarks" / "results" / "perf_price_floor.md").write_text(text)
-    return 0
+    return publish("perf_price_floor", lambda command: report(ms, n, args.rounds, args.calls, command), args.no_write)
 
 
 if __name__ == "__main__":

@@ -24,9 +24,8 @@ import torch
 from continual_blr.models import build_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_timing import interleaved_medians, step_runner  # noqa: E402
+from step_timing import interleaved_medians, publish, step_runner  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 VCL = {"optimizer": "bbb", "prior_precision": 1.0, "init_log_variance": -6.0, "mc_samples": 10,
        "predict_samples": 20, "lr": 0.001, "log_var_lr": 0.003, "coreset_size": 0}  # configs/permuted_mnist/vcl.yaml
 
@@ -70,12 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--rounds, --calls, --threads and --batches must be >= 1")
     torch.set_num_threads(args.threads)
     ms = measure(args.rounds, args.calls, args.batches)
-    command = "python " + " ".join(["benchmarks/perf_vcl_estimators.py", *sys.argv[1:]])
-    text = report(ms, args.rounds, args.calls, command)
-    print(text)
-    if not args.no_write:
-        (ROOT / "benchmarks" / "results" / "perf_vcl_estimators.md").write_text(text)
-    return 0
+    return publish("perf_vcl_estimators", lambda command: report(ms, args.rounds, args.calls, command), args.no_write)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -56,3 +57,14 @@ def interleaved_medians(fns: dict, rounds: int, calls: int, warmup: int) -> dict
             cpu[k].append((time.process_time() - c0) / calls * 1e3)
         print("  round done", file=sys.stderr, flush=True)
     return {k: statistics.median(v) for k, v in cpu.items()}
+
+
+def publish(script: str, report: Callable[[str], str], no_write: bool) -> int:
+    """Print ``report(command)`` (``command``: this invocation as a line to rerun) and, unless ``no_write``, write
+    it to ``benchmarks/results/<script>.md``; returns the exit status."""
+    command = "python " + " ".join([f"benchmarks/{script}.py", *sys.argv[1:]])
+    text = report(command)
+    print(text)
+    if not no_write:
+        (Path(__file__).resolve().parent / "results" / f"{script}.md").write_text(text)
+    return 0
