@@ -139,6 +139,44 @@ def test_records_hold_provenance_and_a_stale_record_is_rerun(tmp_path, monkeypat
     assert calls == [1]  # stale: rerun
 
 
+def test_a_resumable_run_writes_its_cpu_time_while_it_runs(tmp_path, monkeypatch):
+    """The attempts file is rewritten every ``HEARTBEAT_S`` while the run goes on (so a killed process loses at
+    most that much of its count), not only at the end: with a 0.05 s heartbeat, a run that has spent 0.4 s of CPU
+    shows at least 0.3 s in the file before it returns, and its attempt is not yet marked ended."""
+    import dataclasses
+    import time
+
+    import continual_blr.runner as runner
+
+    reproduce = _load_reproduce()
+    monkeypatch.setattr(reproduce, "HEARTBEAT_S", 0.05)
+    work = tmp_path / "work" / "run"
+    seen = []
+
+    def busy_run(cfg, save=True, resume=False):
+        c0 = time.process_time()
+        while time.process_time() - c0 < 0.4:
+            pass
+        deadline = time.perf_counter() + 10.0
+        while time.perf_counter() < deadline:  # at most one heartbeat late, however slow the machine
+            attempt = json.loads(work.with_name("run.attempts.json").read_text())["attempts"][-1]
+            if attempt["cpu_s"] >= 0.3:
+                break
+            time.sleep(0.01)
+        seen.append(attempt)
+        return ({"acc_matrix": []},)
+
+    @dataclasses.dataclass
+    class Cfg:
+        out: str | None = None
+
+    monkeypatch.setattr(runner, "run_config", busy_run)
+    reproduce.run_resumable(Cfg(), work)
+    assert seen[0]["cpu_s"] >= 0.3 and seen[0]["ended"] is None, seen
+    final = json.loads(work.with_name("run.attempts.json").read_text())["attempts"]
+    assert len(final) == 1 and final[0]["ended"] == "finished" and final[0]["cpu_s"] >= 0.4
+
+
 def test_a_run_in_a_work_dir_continues_after_an_interruption_bit_identically(tmp_path, monkeypatch):
     """``--work-dir``: a run stopped after its first task (Ctrl-C / SIGTERM) returns 130 and writes no record;
     the same command continues it from the checkpoint, and the record equals an uninterrupted run's, with both
