@@ -323,6 +323,20 @@ def _verdict(mean: float, std: float, ref: float) -> str:
     return f"{mean - ref:+.2f} (**short**)"
 
 
+def use_deterministic_kernels() -> None:
+    """Make a CUDA run bit-reproducible where PyTorch can: deterministic algorithms (cuDNN's convolution backward
+    among them), no cuDNN autotuning, and the cuBLAS workspace size that deterministic cuBLAS needs (set before cuBLAS
+    starts). Ops without a deterministic kernel warn rather than stop the run (``warn_only``), so a run on a lent GPU
+    is never lost to it; the warnings in its log say which ops stayed non-deterministic. CPU runs are deterministic
+    already; this changes nothing for them but their speed, if any op has a slower deterministic path.
+    """
+    import torch
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+
+
 def shown_command(argv: list[str], data_dir: str | None) -> str:
     """The command line as recorded in tables: the data folder (machine-specific) shown as ``$CONTINUAL_BLR_DATA``."""
     shown = ["$CONTINUAL_BLR_DATA" if data_dir and a == data_dir else
@@ -482,6 +496,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true",
                         help="keep rows of the existing report whose runs are not stored here (default: the table "
                              "holds the stored records only)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="deterministic CUDA kernels (torch.use_deterministic_algorithms, warn_only): GPU runs of "
+                             "one seed repeat bit for bit where PyTorch allows; named in the record's command")
     parser.add_argument("--tables-only", action="store_true",
                         help="run nothing: rewrite the benchmark's table from its stored records alone")
     args = parser.parse_args(argv)
@@ -500,6 +517,8 @@ def main(argv: list[str] | None = None) -> int:
             set_threads(args.threads)
         except ValueError as err:
             parser.error(str(err))
+    if args.deterministic:
+        use_deterministic_kernels()
     if args.only_this_command:
         args.keep = False
     command = "python benchmarks/reproduce.py " + shown_command(sys.argv[1:] if argv is None else argv, args.data_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -91,6 +92,33 @@ def test_reproduce_report_on_a_tiny_synthetic_run(tmp_path, capsys):
     assert "**fromp** (seed 0)" in report  # accuracy matrices
     stored = json.loads((tmp_path / "runs" / "tiny" / "task" / "full" / "fromp_seed1.json").read_text())
     assert stored["seed"] == 1 and len(stored["acc_matrix"]) == 2 and stored["wall_s"] > 0
+
+
+def test_deterministic_flag_turns_on_deterministic_kernels_and_is_named_in_the_record(tmp_path):
+    """``--deterministic`` (for GPU runs, which are not bit-reproducible otherwise) switches PyTorch's deterministic
+    algorithms on in warn-only mode, sets the cuBLAS workspace it needs, and the record's command names it; on the
+    CPU the run's numbers equal a run without it."""
+    reproduce = _load_reproduce()
+    _tiny_configs(tmp_path)
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    try:
+        reproduce.main(_args(tmp_path, "--methods", "none", "--seeds", "0", "--runs-dir", str(tmp_path / "plain")))
+        assert not torch.are_deterministic_algorithms_enabled()
+        reproduce.main(_args(tmp_path, "--methods", "none", "--seeds", "0", "--deterministic"))
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()  # a missing kernel never stops a GPU run
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        if before[2] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = before[2]
+    rec = json.loads((tmp_path / "runs" / "tiny" / "task" / "full" / "none_seed0.json").read_text())
+    plain = json.loads((tmp_path / "plain" / "tiny" / "task" / "full" / "none_seed0.json").read_text())
+    assert "--deterministic" in rec["command"] and "--deterministic" not in plain["command"]
+    assert rec["acc_matrix"] == plain["acc_matrix"]
 
 
 def test_reproduce_is_resumable_and_merges_runs_and_keeps_notes(tmp_path, monkeypatch):
