@@ -796,3 +796,33 @@ def test_an_interrupted_equivalence_check_keeps_the_rows_it_verified(tmp_path, m
     check.main(args + ["--methods", "none"])
     assert rr.is_current(none, folder=folder, records_dir=runs)
     assert len(rr.declarations(runs)) == 2
+
+
+def test_fromp_divergence_diagnosis_traces_penalty_kernels_and_validation_accuracy(tmp_path):
+    """``benchmarks/diagnose_fromp_divergence.py`` on a tiny synthetic FROMP run: one trace row per epoch with the
+    penalty (zero on task 1, which has no past; positive on task 2) and pre-clip gradient norms, the kernels of the
+    stored task at task 2's start (eigenvalues at least the jitter), and validation accuracies per task end."""
+    spec = importlib.util.spec_from_file_location("diagnose", ROOT / "benchmarks" / "diagnose_fromp_divergence.py")
+    diagnose = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(diagnose)
+    config = tmp_path / "fromp.yaml"
+    config.write_text(yaml.safe_dump({
+        "stream": {"name": "synthetic", "scenario": "task", "options": {"n_tasks": 2, "n_train": 60, "n_test": 20}},
+        "model": {"arch": "mlp", "hidden": [8]}, "train": {"epochs": 3, "batch_size": 20, "lr": 0.01, "grad_clip": 1.0},
+        "methods": [{"name": "fromp", "params": {"n_points": 4, "tau": 10.0}}]}))
+    clip = torch.nn.utils.clip_grad_norm_
+    assert diagnose.main(["--data-dir", str(tmp_path), "--config", str(config), "--tasks", "2", "--precision", "fp32",
+                          "--validation", "0.2", "--out", str(tmp_path / "out")]) == 0
+    assert torch.nn.utils.clip_grad_norm_ is clip  # the hooks are undone
+    rows = [json.loads(line) for line in (tmp_path / "out" / "trace.jsonl").read_text().splitlines()]
+    epochs = [r for r in rows if r["kind"] == "epoch"]
+    assert [(r["task"], r["epoch"]) for r in epochs] == [(t, e) for t in (1, 2) for e in (1, 2, 3)]
+    assert all(r["steps"] == 3 and r["norm_max"] > 0 for r in epochs)  # 48 of 60 images train, batches of 20
+    assert all(r["pen_max"] == 0 for r in epochs[:3]) and all(r["pen_max"] > 0 for r in epochs[3:])
+    assert any(r["clipped"] > 0 for r in epochs)  # clip 1.0 binds on this tiny net
+    (kernels,) = [r for r in rows if r["kind"] == "kernels"]
+    (entry,) = kernels["entries"]
+    assert kernels["task"] == 2 and entry["points"] == 4
+    assert entry["eig_min"] >= entry["jitter"] * (1 - 1e-5) and entry["eig_max"] >= entry["eig_min"]
+    ends = [r for r in rows if r["kind"] == "task_end"]
+    assert [len(r["val_acc"]) for r in ends] == [1, 2] and all(0 <= a <= 1 for r in ends for a in r["val_acc"])
