@@ -40,16 +40,16 @@ def _spectra(reg) -> list[dict]:
         k = e.extras.get("kernel")
         if k is None:
             continue
-        ev = torch.linalg.eigvalsh(k.to(torch.float64))
+        k64 = k.to(torch.float64)
+        ev = torch.linalg.eigvalsh(k64)
+        diag = torch.diagonal(k64, dim1=-2, dim2=-1)
         eps = float(e.extras["jitter"])
-        diag = torch.diagonal(k.to(torch.float64), dim1=-2, dim2=-1)
         p_old = e.extras["p_old"]
         out.append({"degenerate": int((diag <= 2.0 * eps).sum()),  # K_ii − ε ≤ ε: the point's Jacobian is ~0
                     "p_old_saturated": int(((p_old == 0.0) | (p_old == 1.0)).sum()),  # softmax exactly 0 / 1
-                    "task": int(e.task_id), "points": len(e),
-                    "jitter": float(e.extras["jitter"]), "eig_min": float(ev.min()), "eig_max": float(ev.max()),
-                    "cond": float(ev.max() / ev.min()), "diag_min": float(torch.diagonal(k, dim1=-2, dim2=-1).min()),
-                    "diag_max": float(torch.diagonal(k, dim1=-2, dim2=-1).max())})
+                    "task": int(e.task_id), "points": len(e), "jitter": eps,
+                    "eig_min": float(ev.min()), "eig_max": float(ev.max()), "cond": float(ev.max() / ev.min()),
+                    "diag_min": float(diag.min()), "diag_max": float(diag.max())})
     return out
 
 

@@ -810,10 +810,13 @@ def test_fromp_divergence_diagnosis_traces_penalty_kernels_and_validation_accura
         "stream": {"name": "synthetic", "scenario": "task", "options": {"n_tasks": 2, "n_train": 60, "n_test": 20}},
         "model": {"arch": "mlp", "hidden": [8]}, "train": {"epochs": 3, "batch_size": 20, "lr": 0.01, "grad_clip": 1.0},
         "methods": [{"name": "fromp", "params": {"n_points": 4, "tau": 10.0}}]}))
-    clip = torch.nn.utils.clip_grad_norm_
+    from continual_blr.regularizers.functional import FunctionalRegularizer
+
+    clip, hooked = torch.nn.utils.clip_grad_norm_, (FunctionalRegularizer.penalty, FunctionalRegularizer.rebuild)
     assert diagnose.main(["--data-dir", str(tmp_path), "--config", str(config), "--tasks", "2", "--precision", "fp32",
                           "--validation", "0.2", "--out", str(tmp_path / "out")]) == 0
     assert torch.nn.utils.clip_grad_norm_ is clip  # the hooks are undone
+    assert (FunctionalRegularizer.penalty, FunctionalRegularizer.rebuild) == hooked
     rows = [json.loads(line) for line in (tmp_path / "out" / "trace.jsonl").read_text().splitlines()]
     epochs = [r for r in rows if r["kind"] == "epoch"]
     assert [(r["task"], r["epoch"]) for r in epochs] == [(t, e) for t in (1, 2) for e in (1, 2, 3)]
