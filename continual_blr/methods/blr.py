@@ -197,7 +197,8 @@ class BLRMethod(Method):
 
     def ggn_carry(self, model: nn.Module, task: Task) -> DiagPosterior:
         """N(m, S₀ + D_t / T) with D_t = (λ/n) Σ_{i∈subset} diag(J_iᵀ Λ_i J_i) at the mean m, λ = ess_factor·N_t
-        (``params.carry``). The subset is drawn with the method's generator (the same on every rank); under
+        (``params.carry``), Λ_i the output Hessian of the method's likelihood (``self.likelihood``, ``self.sigma``:
+        diag(p_i) − p_i p_iᵀ for the softmax, I/σ² for a Gaussian). The subset is drawn with the method's generator (the same on every rank); under
         data parallel the engine shards it and sums over ranks."""
         assert self.optimizer is not None
         prior = self.optimizer.prior
@@ -209,7 +210,10 @@ class BLRMethod(Method):
             idx = torch.randperm(n, generator=self.generator)[:k].to(x.device)
             x, y = x[idx], y[idx]
         names = list(self.optimizer.names)
-        c = curvature_of(model, x, y, kind="ggn", structure="diag", head=task.head, param_names=names)
+        # the method's likelihood (Λ_i = I/σ² for a Gaussian stream; the softmax Hessian for classification):
+        # without it a regression head's single output gets the softmax Λ = 0 and only the prior is carried
+        c = curvature_of(model, x, y, kind="ggn", structure="diag", likelihood=self.likelihood, sigma=self.sigma,
+                         head=task.head, param_names=names)
         scale = self.params.ess_factor * n / x.shape[0] / self.params.temperature
         mean = {k: p.detach().clone() for k, p in model.named_parameters() if k in prior.mean}
         return DiagPosterior(mean, {k: prior.precision[k] + scale * c[k] for k in prior.mean})  # type: ignore[index]
