@@ -197,9 +197,9 @@ def _attribute_docs(doc: str) -> dict[str, str]:
 
 def _build_config(args: argparse.Namespace):
     """The RunConfig of ``args`` (config file + flags), or a string error for :func:`_fail`."""
-    from .config import MethodConfig, RunConfig, check_seed, from_dict
+    from .config import MethodConfig, RunConfig, check_seed, from_dict, label_methods
     from .data.stream import SCENARIOS
-    from .methods import METHODS
+    from .methods import METHODS, registry_name
 
     data = _read_yaml(args.config) if args.config else {}
     base = Path(args.config).resolve().parent if args.config else Path.cwd()
@@ -213,9 +213,9 @@ def _build_config(args: argparse.Namespace):
         if unknown:
             return f"--method: unknown method {unknown[0]!r}; allowed: {', '.join(sorted(METHODS))}"
         by_name = {m.name: m for m in cfg.methods}
-        cfg.methods = [by_name.get(m, MethodConfig(m)) for m in args.method]
+        cfg.methods = label_methods([by_name.get(m, MethodConfig(m)) for m in args.method], "--method")
     for i, m in enumerate(cfg.methods):
-        if m.name not in METHODS:
+        if registry_name(m.name) not in METHODS:
             return f"methods[{i}]: unknown method {m.name!r}; allowed: {', '.join(sorted(METHODS))}"
     if args.seed is not None:
         cfg.seed = check_seed(args.seed)

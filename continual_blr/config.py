@@ -19,7 +19,7 @@ from .methods import _type_ok
 from .methods.base import TrainConfig
 from .types import ConfigError
 
-__all__ = ["check_device", "check_seed", "ConfigError", "StreamConfig", "ModelConfig", "MethodConfig", "RunConfig", "from_dict", "DEFAULT_CONFIG"]
+__all__ = ["check_device", "check_seed", "label_methods", "ConfigError", "StreamConfig", "ModelConfig", "MethodConfig", "RunConfig", "from_dict", "DEFAULT_CONFIG"]
 
 
 SPLIT_DIGITS_BLR: dict[str, Any] = {}
@@ -98,6 +98,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         check_device(self.device)
         check_seed(self.seed)
+        self.methods = label_methods(self.methods)
         if self.imports:
             from .methods.plugins import import_modules
 
@@ -132,6 +133,41 @@ def check_seed(seed: int) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise ValueError(f"seed: got {seed!r}; allowed: an integer >= 0")
     return seed
+
+
+_LABEL = re.compile(r"[A-Za-z0-9_.=+-]+")
+
+
+def label_methods(methods: list[MethodConfig], path: str = "methods") -> list[MethodConfig]:
+    """One distinct name per entry of a run's ``methods`` (a name is a result's row and its folder).
+
+    A method listed again with other ``params`` or ``train`` is a run of its own: the second is renamed
+    ``<name>#2``, the third ``<name>#3`` (a name may also be given as ``<method>#<label>``, e.g. ``fromp#tau100``:
+    the method is the part before ``#``). An entry equal to an earlier one in name, params and train would repeat
+    its result, so it is refused.
+
+    Raises:
+        ValueError: one line naming the repeated entry (``methods[2] repeats methods[0] ...``) or a bad label.
+    """
+    out: list[MethodConfig] = []
+    for i, mc in enumerate(methods):
+        if not isinstance(mc, MethodConfig):
+            out.append(mc)
+            continue
+        base, sep, label = mc.name.partition("#")
+        if sep and not _LABEL.fullmatch(label):
+            raise ValueError(f"{path}[{i}].name: got {mc.name!r}; a label after '#' is letters, digits, "
+                             "'_', '.', '=', '+' or '-'")
+        for j, prev in enumerate(methods[:i]):
+            if (prev.name, prev.params, prev.train) == (mc.name, mc.params, mc.train):
+                raise ValueError(f"{path}[{i}] repeats {path}[{j}] ({mc.name!r} with the same params and train); "
+                                 "remove it or give it other params")
+        name, k = mc.name, 1
+        while name in {m.name for m in out}:
+            k += 1
+            name = f"{base}#{k}"
+        out.append(mc if name == mc.name else dataclasses.replace(mc, name=name))
+    return out
 
 
 def from_dict(cls: type, data: Any, path: str = "config") -> Any:

@@ -32,7 +32,15 @@ from .replay import DERPPMethod, DERPPParams, ERMethod, ERParams
 from .vcl import VCLMethod, VCLParams
 
 __all__ = ["Method", "TrainConfig", "METHODS", "MethodParamsError", "build_method", "make_torch_optimizer",
-           "parse_params", "register", "available_methods"]
+           "parse_params", "register", "available_methods", "registry_name"]
+
+
+def registry_name(name: str) -> str:
+    """The registry key of a run's method name: ``"fromp#2"`` or ``"fromp#tau100"`` → ``"fromp"``.
+
+    A run may list one method several times with different parameters; each entry then has its own name
+    ``<method>#<label>`` (:func:`continual_blr.config.label_methods`), which names its results and its folder."""
+    return name.split("#", 1)[0]
 
 METHODS: dict[str, tuple[type[Method], type | None]] = {
     "none": (Method, None),
@@ -153,7 +161,8 @@ def build_method(name: str, params: Any = None, seed: int = 0) -> Method:
     """Instantiate a registered method.
 
     Args:
-        name: a key of :data:`METHODS`.
+        name: a key of :data:`METHODS`, optionally with a ``#<label>`` suffix (``"fromp#2"``): the method is
+            the key's, and the instance's ``name`` (its results' name) is the whole string.
         params: the method's params dataclass, or a mapping checked by :func:`parse_params`
             (``None`` / empty: the defaults).
         seed: the method's random stream.
@@ -162,9 +171,10 @@ def build_method(name: str, params: Any = None, seed: int = 0) -> Method:
         ValueError: unknown method name (the message lists the allowed names).
         MethodParamsError: bad params; the message starts with ``method '<name>':``.
     """
-    if name not in METHODS and name not in available_methods():
-        raise ValueError(f"method: unknown method {name!r}; allowed: {', '.join(sorted(METHODS))}")
-    method_cls, params_cls = METHODS[name]
+    key = registry_name(name)
+    if key not in METHODS and key not in available_methods():
+        raise ValueError(f"method: unknown method {key!r}; allowed: {', '.join(sorted(METHODS))}")
+    method_cls, params_cls = METHODS[key]
     if params_cls is None:
         if params:
             keys = sorted(params) if isinstance(params, dict) else type(params).__name__
