@@ -374,6 +374,46 @@ def find_generators(obj: Any, prefix: str = "", _seen: set[int] | None = None) -
     return found
 
 
+SAVED_BY_THE_BASE = ("regularizer", "generator", "likelihood", "sigma", "seed", "name", "params", "optimizer")
+"""Attributes of a method that ``Method.state_dict`` saves, the loop sets again, or that are its settings (the
+optimiser's state is checkpointed on its own)."""
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two attribute values hold the same state (tensors by value, modules by their state_dicts)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and bool(torch.equal(a.detach().cpu(), b.detach().cpu())))
+    if isinstance(a, nn.Module) or isinstance(b, nn.Module):
+        return isinstance(a, nn.Module) and isinstance(b, nn.Module) and _same(a.state_dict(), b.state_dict())
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an object without a usable ==: count it as changed
+        return a is b
+
+
+def unsaved_state(method: Any, fresh: Any) -> list[str]:
+    """Attributes of ``method`` that changed since it was built (against ``fresh``, the same method built anew)
+    and that its ``state_dict`` does not save: state a resumed run would lose.
+
+    Only a method whose class keeps the base ``Method.state_dict`` is examined (one that defines its own is
+    trusted to save what it carries: ``docs/own_method.md``); the base saves the regulariser and the generator.
+
+    Returns:
+        The attribute names, sorted (empty: a checkpoint of the method is complete).
+    """
+    from .methods.base import Method
+
+    if type(method).state_dict is not Method.state_dict:
+        return []
+    now, then = vars(method), vars(fresh)
+    return sorted(k for k in now if k not in SAVED_BY_THE_BASE and (k not in then or not _same(now[k], then[k])))
+
+
 def generator_states(obj: Any) -> dict[str, torch.Tensor]:
     """``{path: generator.get_state()}`` for :func:`find_generators`."""
     return {k: g.get_state() for k, g in find_generators(obj).items()}

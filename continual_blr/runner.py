@@ -17,8 +17,10 @@ an optimiser that lives across tasks, ``method.optimizer``, e.g. the BLR's).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,7 @@ from .methods.base import Method, TrainConfig
 from .models import build_model
 from .run_folder import (
     CHECKPOINT, RunFileError, RunFolder, RunNotFoundError, check_out_dir, clear_run, deferred_interrupts,
-    generator_states, load_generator_states, load_torch, load_weights, new_run_dir, read_json,
+    generator_states, load_generator_states, unsaved_state, load_torch, load_weights, new_run_dir, read_json,
 )
 from .run_logs import TrainingLog
 
@@ -230,10 +232,12 @@ class _Writer:
 
             self.folder.save_figure("accuracy_matrix.png", lambda p: plot_accuracy_matrices(results, p))
 
-    def checkpoint(self, name: str, progress: LoopProgress, model: nn.Module, method: Method) -> None:
+    def checkpoint(self, name: str, progress: LoopProgress, model: nn.Module, method: Method,
+                   unsaved: list[str] | None = None) -> None:
         opt = getattr(method, "optimizer", None)
         state = {
             "format": 1,
+            "unsaved": list(unsaved or []),  # the method's attributes its state_dict leaves out (_own_unsaved)
             "progress": dataclasses.asdict(progress),
             "model": model.state_dict(),
             "method": method.state_dict(),
@@ -249,6 +253,25 @@ def _load_checkpoint(path: Path) -> dict[str, Any]:
         raise RunFileError(f"{path}: not a checkpoint written by continual-blr (no model state); remove it to "
                            "restart that method's unfinished task from the start")
     return state
+
+
+def _own_unsaved(mc: Any, cfg: RunConfig, stream: TaskStream, train: TrainConfig, method: Method,
+                 initial: nn.Module) -> list[str]:
+    """The attributes of a method of your own (a class outside this package that keeps ``Method.state_dict``) that
+    training changed and a checkpoint would not save (:func:`~continual_blr.run_folder.unsaved_state`): compared with
+    the same method built and set up anew on the initial weights, as a resume does. Built-in methods: [] (their
+    resume is checked bit for bit by ``tests/test_resume.py``)."""
+    if type(method).__module__.startswith("continual_blr."):
+        return []
+    fresh = build_method(mc.name, mc.params, seed=cfg.seed)
+    fresh.use_likelihood(stream.likelihood, stream.sigma)
+    fresh.setup(copy.deepcopy(initial), stream, train)
+    unsaved = unsaved_state(method, fresh)
+    if unsaved:
+        warnings.warn(f"method {mc.name!r} carries state its state_dict does not save ({', '.join(unsaved)}): this run "
+                      "cannot be resumed; define state_dict / load_state_dict (docs/own_method.md)", RuntimeWarning,
+                      stacklevel=2)
+    return unsaved
 
 
 def _restore(state: dict[str, Any]):
@@ -312,6 +335,11 @@ def run_config(cfg: RunConfig, save: bool = True, *, overwrite: bool = False, re
 
     states = {mc.name: _load_checkpoint(folder.path / mc.name / CHECKPOINT) for mc in cfg.methods
               if save and resume and not finished(mc.name) and (folder.path / mc.name / CHECKPOINT).is_file()}
+    for name, state in states.items():  # a resume without the method's carried state would diverge silently
+        if state.get("unsaved"):
+            raise ValueError(f"--resume: method {name!r} carries state its state_dict does not save "
+                             f"({', '.join(state['unsaved'])}); define state_dict / load_state_dict "
+                             "(docs/own_method.md) or run it again from the start")
     if save:
         writer.write_results()
     try:
@@ -331,14 +359,17 @@ def run_config(cfg: RunConfig, save: bool = True, *, overwrite: bool = False, re
             if log is not None:
                 log.trim(start.next_task if start is not None else 0)
             writer.progress[mc.name] = (start.next_task if start is not None else 0, n_tasks)
+            own = not type(method).__module__.startswith("continual_blr.")
+            initial = copy.deepcopy(model) if save and own else None  # what a resume sets the method up on
 
             def on_task_end(progress: LoopProgress, model: nn.Module, method: Method, mc=mc, record=record,
-                            log=log) -> None:
+                            log=log, initial=initial, train=train) -> None:
                 writer.progress[mc.name] = (progress.next_task, n_tasks)
                 if not save:
                     return
+                unsaved = _own_unsaved(mc, cfg, stream, train, method, initial) if initial is not None else []
                 with deferred_interrupts():
-                    writer.checkpoint(mc.name, progress, model, method)
+                    writer.checkpoint(mc.name, progress, model, method, unsaved)
                     writer.results[mc.name] = _partial_result(mc.name, stream, cfg.seed, progress, record,
                                                                    method.memory_stats())
                     if progress.next_task == n_tasks:
