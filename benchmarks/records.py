@@ -155,11 +155,222 @@ def equivalent_hashes(current: str, folder: str, records_dir: Path = RECORDS_DIR
 
 
 def is_current(record: dict[str, Any], current_hash: str | None = None, folder: str | None = None,
-               records_dir: Path = RECORDS_DIR) -> bool:
-    """Whether ``record`` ran on the library as it is now, or (with ``folder``, the records folder it lies in) on
-    a library checked to give the same numbers for that folder (see the module docstring)."""
-    current = current_hash or library_hash()
-    if record.get("library_hash") == current:
+               records_dir: Path = RECORDS_DIR, root: Path | None = None) -> bool:
+    """Whether ``record`` is current (:func:`currency`): its config and the code it executed are unchanged (a record
+    with a fingerprint), or it ran on today's library or one checked equivalent for ``folder`` (a record without).
+    ``current_hash`` is kept for callers of the old rule and is only used for records without a fingerprint."""
+    root = Path(root or ROOT)
+    if record.get("fingerprint") is None and current_hash is not None:
+        return not config_changes(record, root) and is_current_by_library(record, current_hash, folder, records_dir)
+    return currency(record, folder, records_dir, root)[0]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Currency from the code a run executed (the rule since issue 39; the library-hash rule above is kept for records
+# made before it, which carry no fingerprint).
+#
+# A record made now holds ``fingerprint`` (``fingerprint.py``: every function / class body / module body of the
+# imported package that ran, with the hash of its syntax tree) and its resolved ``config``. It is **current** while
+# (1) its config resolves the same today (:func:`config_changes`: the YAML it names, read again) and (2) every entry
+# of its fingerprint hashes the same in today's sources, or was checked side by side to give the same numbers
+# (``check_equivalence.py --side-by-side`` writes ``equivalent_code.json``). An edit to code the run never executed,
+# or to comments and docstrings anywhere, stales nothing, and no CPU is named in the rule: a record made on one CPU
+# stays current on any other. A record with no fingerprint falls back to the library-hash rule.
+# --------------------------------------------------------------------------------------------------------------------
+
+import datetime as _dt  # noqa: E402
+
+import fingerprint as _fingerprint  # noqa: E402
+
+EQUIVALENT_CODE = "equivalent_code.json"  # under a records folder's root, beside EQUIVALENCES
+# RunConfig fields set by the command or the machine, not by the config file: a record's folder and file name
+# (scenario, mode, seed) or its machine (data root, device) say them, so they are not compared.
+COMMAND_FIELDS = {"seed", "device", "out", "progress", "quick", "imports", "method", "train_used"}  # the last two: derived
+COMMAND_STREAM_FIELDS = {"data_dir", "validation", "scenario"}
+_START: dict[str, Any] = {}
+
+
+def now_utc() -> str:
+    """The time now, UTC, ISO 8601 to the second."""
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def process_start() -> dict[str, Any]:
+    """Commit, dirty flag and their source, and the time, read once at this process's first call (call it when the
+    process starts: a checkout that moves while a long command runs does not change what its records say)."""
+    if not _START:
+        status = _git("status", "--porcelain", "--untracked-files=no", "--", "continual_blr", "configs", "benchmarks")
+        commit, source = _git("rev-parse", "HEAD"), "git"
+        dirty = None if status is None else bool(status)
+        if os.environ.get("CONTINUAL_BLR_COMMIT"):  # a GPU machine's copy: the sender knows what it sent
+            commit, source = os.environ["CONTINUAL_BLR_COMMIT"], "env"
+            flag = os.environ.get("CONTINUAL_BLR_DIRTY")
+            dirty = None if flag not in ("0", "1") else flag == "1"
+        _START.update(commit=commit, dirty=dirty, commit_source=source if commit else None, process_started=now_utc())
+    return dict(_START)
+
+
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma", "sse4_2")
+
+
+def device_info(device: str = "cpu") -> dict[str, Any]:
+    """The CPU's model and its vector flags (those of ``CPU_FLAGS`` it has), and the GPU's name for a CUDA run."""
+    flags: list[str] = []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                flags = [f for f in CPU_FLAGS if f in have]
+                break
+    except OSError:
+        pass
+    gpu = None
+    if str(device).startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = torch.cuda.get_device_name(torch.device(device))
+    return {"cpu": cpu_model(), "cpu_flags": flags, "gpu": gpu}
+
+
+def imported_package_dir() -> Path:
+    """The folder of the ``continual_blr`` package this process imports (not necessarily this checkout's)."""
+    import continual_blr
+
+    return Path(continual_blr.__file__).resolve().parent
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts as one dict of dotted keys (lists and other values kept whole)."""
+    if not isinstance(d, dict) or not d:
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def _comparable(config: dict[str, Any]) -> dict[str, Any]:
+    config = {k: v for k, v in config.items() if k not in COMMAND_FIELDS}
+    if isinstance(config.get("stream"), dict):
+        config["stream"] = {k: v for k, v in config["stream"].items() if k not in COMMAND_STREAM_FIELDS}
+    return config
+
+
+_CONFIG_CACHE: dict[tuple[str, str], tuple[dict[str, Any], dict[str, Any]] | None] = {}
+
+
+def resolved_config(config_file: str, root: Path = ROOT) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """(the config file's run config with every default filled in, the keys the file sets itself) as the library
+    under ``root`` reads it today; None if the file is gone."""
+    key = (str(root), config_file)
+    if key not in _CONFIG_CACHE:
+        path = Path(root) / config_file
+        if not path.is_file():
+            _CONFIG_CACHE[key] = None
+        else:
+            import dataclasses
+
+            from continual_blr.config import RunConfig, from_dict, yaml_load
+
+            raw = yaml_load(path.read_text()) or {}
+            _CONFIG_CACHE[key] = (dataclasses.asdict(from_dict(RunConfig, raw)), raw)
+    return _CONFIG_CACHE[key]
+
+
+def config_changes(record: dict[str, Any], root: Path = ROOT) -> list[str]:
+    """The fields in which the record's run config differs from what its config file gives today (``[]``: the
+    same). Fields the command or machine sets (``COMMAND_FIELDS``) are not compared. A field the library added
+    since the record counts as unchanged unless the file sets it; ``["config_file"]`` if the file is gone; a
+    record that names no config file is compared on nothing."""
+    if not record.get("config_file") or not isinstance(record.get("config"), dict):
+        return []
+    now = resolved_config(record["config_file"], root)
+    if now is None:
+        return ["config_file"]
+    resolved, raw = now
+    old, new = _flatten(_comparable(record["config"])), _flatten(_comparable(resolved))
+    methods_old, methods_new = old.pop("methods", None), new.pop("methods", None)
+    set_by_file = set(_flatten(_comparable(raw)))
+    out = [k for k in sorted(set(old) | set(new))
+           if (k in old and k in new and old[k] != new[k]) or (k in old) != (k in new) and (k in old or k in set_by_file)]
+    if methods_old != methods_new:
+        out.append("methods")
+    return out
+
+
+def code_declarations(records_dir: Path = RECORDS_DIR) -> list[dict[str, Any]]:
+    """Side-by-side equivalence declarations (``check_equivalence.py --side-by-side``): each says that, for the rows
+    it names, the code entry ``entry`` hashing ``to`` gives the numbers of the same entry hashing ``from``."""
+    path = Path(records_dir) / EQUIVALENT_CODE
+    return json.loads(path.read_text())["declarations"] if path.is_file() else []
+
+
+def equivalent_code(folder: str | None, method: str | None, records_dir: Path = RECORDS_DIR,
+                    root: Path = ROOT) -> dict[str, set[str]]:
+    """entry → the old hashes declared (directly or through a chain) to give the numbers of its hash today, for the
+    records folder ``folder`` and row ``method``."""
+    decls = [d for d in code_declarations(records_dir)
+             if folder is not None and d["folder"] == folder and (not d.get("methods") or method in d["methods"])]
+    if not decls:
+        return {}
+    today = _fingerprint.source_hashes({d["entry"] for d in decls}, root)
+    out: dict[str, set[str]] = {}
+    for entry, now in today.items():
+        seen, grew = {now}, True
+        while grew:
+            grew = False
+            for d in decls:
+                if d["entry"] == entry and d["to"] in seen and d["from"] not in seen:
+                    seen.add(d["from"])
+                    grew = True
+        out[entry] = seen - {now}
+    return out
+
+
+def currency(record: dict[str, Any], folder: str | None = None, records_dir: Path = RECORDS_DIR,
+             root: Path = ROOT) -> tuple[bool, str]:
+    """(whether ``record`` is current, why not): see the comment above. ``folder`` is the records folder it lies in
+    relative to ``records_dir`` (declarations are per folder)."""
+    changed = config_changes(record, root)
+    if changed:
+        return False, "config changed: " + ", ".join(changed)
+    fp = record.get("fingerprint")
+    if fp is None:
+        ok = is_current_by_library(record, library_hash(root), folder, records_dir)
+        return ok, "" if ok else f"no fingerprint, library {record.get('library_hash')} is not today's"
+    method = record.get("method_name") or record.get("method")
+    changed = _fingerprint.changed_entries(fp, root, equivalent_code(folder, method, records_dir, root))
+    return (not changed), ("" if not changed else "code changed: " + ", ".join(changed))
+
+
+def is_current_by_library(record: dict[str, Any], current_hash: str, folder: str | None,
+                          records_dir: Path = RECORDS_DIR) -> bool:
+    """The rule for records without a fingerprint: the library hash is today's or declared equivalent to it."""
+    if record.get("library_hash") == current_hash:
         return True
     method = record.get("method_name") or record.get("method") or ""
-    return folder is not None and record.get("library_hash") in equivalent_hashes(current, folder, records_dir, method)
+    return folder is not None and record.get("library_hash") in equivalent_hashes(current_hash, folder, records_dir,
+                                                                                  method)
+
+
+def run_provenance(device: str = "cpu") -> dict[str, Any]:
+    """What a record made now holds about where it ran: :func:`process_start` (commit, dirty flag, read at process
+    start), the hash of the package actually imported, versions and :func:`device_info`."""
+    import numpy
+    import torch
+
+    try:
+        import sklearn
+
+        sk = sklearn.__version__
+    except ImportError:  # pragma: no cover - an extra
+        sk = None
+    pkg = imported_package_dir()
+    info = device_info(device)
+    return process_start() | {
+        "library_hash": process_library_hash(pkg.parent),
+        "package_dir_is_checkout": pkg.parent == ROOT,
+        "versions": {"python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__,
+                     "scikit-learn": sk},
+        "device": info["gpu"] or info["cpu"], "device_info": info}

@@ -52,6 +52,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts (benchmarks/ is not a package)
+import ledger  # noqa: E402
 import records as run_records  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -148,12 +149,11 @@ def run_one(benchmark: str, method: str, seed: int, args: argparse.Namespace, ru
     path = _runs_folder(runs_dir, benchmark, scenario, args.quick, validation) / f"{method}_seed{seed}.json"
     if path.is_file() and not args.force:
         stored = json.loads(path.read_text())
+        current, why = run_records.currency(stored, path.parent.relative_to(runs_dir).as_posix(), runs_dir)
         if not _same_method(stored, cfg):
             tqdm.write(f"{method} seed {seed}: stored run has other method settings than {method}.yaml; rerunning")
-        elif not run_records.is_current(stored, folder=path.parent.relative_to(runs_dir).as_posix(),
-                                        records_dir=runs_dir):
-            tqdm.write(f"{method} seed {seed}: stored run ran on another version of the library "
-                       f"({stored.get('library_hash')}); rerunning")
+        elif not current:
+            tqdm.write(f"{method} seed {seed}: stored run is stale ({why[:200]}); rerunning")
         else:
             return stored
     import dataclasses
@@ -167,17 +167,28 @@ def run_one(benchmark: str, method: str, seed: int, args: argparse.Namespace, ru
     mc = cfg.methods[0]
     resolved = getattr(build_method(mc.name, mc.params), "params", None)  # every default filled in
     config_file = _config_path(benchmark, method, args)
-    origin = run_records.provenance(cfg.device)
+    origin = run_records.run_provenance(cfg.device)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    from continual_blr.runner import _train_for
+    from fingerprint import ExecutedCode
+
+    executed = ExecutedCode(run_records.imported_package_dir())  # the code this run executes (records.currency)
+    epoch_hook = executed.epoch_hook(_train_for(cfg, mc.train).epochs)
+    started = run_records.now_utc()
     t0, c0 = time.perf_counter(), time.process_time()
     attempts = None
     if getattr(args, "work_dir", None):
         work = _runs_folder(Path(args.work_dir), benchmark, scenario, args.quick, validation) / f"{method}_seed{seed}"
-        result, attempts = run_resumable(cfg, work, force=args.force)
+        with executed:
+            result, attempts = run_resumable(cfg, work, force=args.force, on_epoch=epoch_hook,
+                                             executed=executed)
         wall_s, cpu_s = (sum(a[k] for a in attempts["attempts"]) for k in ("wall_s", "cpu_s"))
+        entries = set(attempts.get("executed", []))
     else:
-        result = run_config(cfg, save=False)[0]
+        with executed:
+            result = run_config(cfg, save=False, on_epoch=epoch_hook)[0]
         wall_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
+        entries = executed.entries()
     record = result.to_dict() | {"wall_s": wall_s, "cpu_s": cpu_s,
                                  "memory_per_task": _memory_size(cfg), "quick": args.quick,
                                  "validation": validation,
@@ -186,11 +197,14 @@ def run_one(benchmark: str, method: str, seed: int, args: argparse.Namespace, ru
                                  "resolved_params": dataclasses.asdict(resolved)
                                  if dataclasses.is_dataclass(resolved) else None,
                                  "config_file": str(config_file.relative_to(ROOT))
-                                 if config_file.is_relative_to(ROOT) else None} | origin
+                                 if config_file.is_relative_to(ROOT) else None} | origin | {
+        "started": started if attempts is None else attempts["attempts"][0]["started"], "ended": run_records.now_utc(),
+        "fingerprint": run_records._fingerprint.source_hashes(entries, run_records.imported_package_dir().parent)}
     if attempts is not None:  # a run continued over several processes: each one's share, times summed above
         record["attempts"] = attempts["attempts"]
         record["config"]["out"] = None  # the work folder is this machine's, not part of the run's settings
     path.parent.mkdir(parents=True, exist_ok=True)
+    ledger.supersede(path)  # a replaced test evaluation stays a record (benchmarks/ledger.py)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=2))
     tmp.replace(path)  # atomic: a killed run never leaves a half-written record behind
@@ -200,10 +214,12 @@ def run_one(benchmark: str, method: str, seed: int, args: argparse.Namespace, ru
 HEARTBEAT_S = 30.0  # how often a resumable run writes its attempt's CPU and wall time so far
 
 
-def run_resumable(cfg, work: Path, force: bool = False) -> tuple:
+def run_resumable(cfg, work: Path, force: bool = False, on_epoch=None, executed=None) -> tuple:
     """Run ``cfg`` in the run folder ``work`` (outside the repository), continuing it if a process before this
     one was stopped: the runner checkpoints after every task and ``resume`` continues from the last one,
-    bit-identically (tests/test_resume.py). Beside the folder, ``<work>.attempts.json`` keeps the library hash
+    bit-identically (tests/test_resume.py). ``on_epoch`` goes to ``run_config``; ``executed`` (an
+    ``ExecutedCode`` tracing this attempt) adds the code the attempt ran to ``executed`` in the attempts file.
+    Beside the folder, ``<work>.attempts.json`` keeps the library hash
     the run began on and each process's CPU and wall seconds (written every ``HEARTBEAT_S`` and at the end, so
     a killed process loses at most that much of its count); the record's times are their sums.
 
@@ -257,11 +273,13 @@ def run_resumable(cfg, work: Path, force: bool = False) -> tuple:
     thread.start()
     ended = "interrupted"
     try:
-        result = run_config(dataclasses.replace(cfg, out=str(work)), save=True, resume=resume)[0]
+        result = run_config(dataclasses.replace(cfg, out=str(work)), save=True, resume=resume, on_epoch=on_epoch)[0]
         ended = "finished"
     finally:
         stop.set()
         thread.join()
+        if executed is not None:  # the code every attempt executed, for the record's fingerprint
+            meta["executed"] = sorted(set(meta.get("executed", [])) | executed.entries())
         save(ended)
     return result, meta
 
@@ -373,7 +391,8 @@ def previous_report(out: Path) -> tuple[list[str], dict[str, str], dict[str, lis
 
 
 def write_report(benchmark: str, scenario: str, records: dict[str, list[dict]], args: argparse.Namespace,
-                 command: str, results_dir: Path | None = None, draw: bool = True) -> Path:
+                 command: str, results_dir: Path | None = None, draw: bool = True,
+                 runs_dir: Path | None = None) -> Path:
     from continual_blr.plots import plot_average_accuracy
 
     validation = getattr(args, "validation", 0.0) or 0.0
@@ -406,8 +425,12 @@ def write_report(benchmark: str, scenario: str, records: dict[str, list[dict]], 
                   f"rewritten): {', '.join(kept)}. Commands of that version:", "", "```",
                   *sorted(set(old_commands) - set(commands)), "```", "",
                   "The curves figure was not redrawn (it needs every row's stored runs).", ""]
-    lines += ["| method | final avg acc (%) | seeds | scenario | memory | wall / run (s) | CPU / run (s) | forgetting (%) | published | ours − published | library | commits |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    runs_dir = Path(runs_dir or getattr(args, "runs_dir", None) or run_records.RECORDS_DIR)
+    folder = _runs_folder(runs_dir, benchmark, scenario, args.quick, validation)
+    rel = folder.relative_to(runs_dir).as_posix()
+    lines += ["| method | final avg acc (%) | seeds | scenario | memory | wall / run (s) | CPU / run (s) | forgetting (%) | published | ours − published | current | test evals | library | commits |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    earlier: dict[str, list[dict]] = {}
     order = {m: i for i, m in enumerate(METHOD_ORDER)}
     methods = sorted([*records, *kept], key=lambda m: (order.get(m, len(order)), m))
     for method in methods:
@@ -427,8 +450,12 @@ def write_report(benchmark: str, scenario: str, records: dict[str, list[dict]], 
         seeds = ",".join(str(r["seed"]) for r in recs)
         libs = ", ".join(sorted({(r.get("library_hash") or "?")[:8] for r in recs}))
         commits = ", ".join(sorted({(r.get("commit") or "?")[:8] + ("+dirty" if r.get("dirty") else "") for r in recs}))
+        stale = [r["seed"] for r in recs if not run_records.currency(r, rel, runs_dir)[0]]
+        current = "yes" if not stale else f"**stale** ({len(stale)}/{len(recs)})"
+        earlier[method] = [] if validation else ledger.evaluations(folder, method, runs_dir)
+        evals = "-" if validation else str(1 + len(earlier[method]))
         lines.append(f"| {method} | {m:.2f} ± {s:.2f} | {len(recs)} ({seeds}) | {scenario} | {_memory_cell(recs[0])} | "
-                     f"{wall:.0f} | {cpu} | {fg:.2f} | {ref_s} | {diff} | {libs} | {commits} |")
+                     f"{wall:.0f} | {cpu} | {fg:.2f} | {ref_s} | {diff} | {current} | {evals} | {libs} | {commits} |")
     gpu = sorted({f"{r.get('device')} (torch {r.get('versions', {}).get('torch')})" for recs in records.values()
                   for r in recs if str((r.get("config") or {}).get("device", "cpu")).startswith("cuda")})
     if gpu:
@@ -442,6 +469,17 @@ def write_report(benchmark: str, scenario: str, records: dict[str, list[dict]], 
                   f"{min(loads):.1f}–{max(loads):.1f}, our runs at nice 10), so wall time is inflated by other users' jobs; CPU / run is "
                   "the process's own CPU time (all its threads), the better measure of cost here. Std over seeds is the sample "
                   "std (0 with one seed)."]
+    if any(earlier.values()):
+        lines += ["", "Earlier test evaluations of these rows (generated from the superseded records and "
+                  "`benchmarks/records/unrecorded_evaluations.json`; `benchmarks/ledger.py`), oldest first; "
+                  "\"test evals\" counts them with the row's current records:", ""]
+        for method in methods:
+            for e in earlier.get(method, []):
+                lines.append(f"- **{method}** {ledger.describe(e)}")
+    if not validation:
+        lines += ["", "\"current\": whether each record's config and every library function it executed are "
+                  "unchanged, or were checked equal side by side (`benchmarks/records.py`, "
+                  "`python benchmarks/side_by_side.py --status`)."]
     hi = None if validation else HIGHER_ANCHORS.get((benchmark, scenario))
     if hi:
         lines += ["", f"Higher anchor on the same protocol: {hi[1]} {hi[0]:.2f}."]
@@ -468,6 +506,7 @@ def write_report(benchmark: str, scenario: str, records: dict[str, list[dict]], 
 
 
 def main(argv: list[str] | None = None) -> int:
+    run_records.process_start()  # commit and dirty flag as they are when the command starts
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("benchmark", help="a folder of configs/ (split_mnist, permuted_mnist, split_cifar, split_digits, ...)")
     parser.add_argument("--methods", nargs="+", default=[])

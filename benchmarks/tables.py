@@ -54,7 +54,8 @@ def build(records_dir: Path, results_dir: Path, benchmark: str, scenario: str, q
     """Write the table of one records folder into ``results_dir`` (a notes part is taken from there)."""
     args = argparse.Namespace(quick=quick, validation=validation, keep=False, results_dir=str(results_dir))
     recs = reproduce.collect_records(records_dir, benchmark, scenario, quick, validation)
-    return reproduce.write_report(benchmark, scenario, recs, args, command="", results_dir=results_dir, draw=draw)
+    return reproduce.write_report(benchmark, scenario, recs, args, command="", results_dir=results_dir, draw=draw,
+                                  runs_dir=records_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

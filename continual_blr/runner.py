@@ -30,7 +30,7 @@ from torch import nn
 from .config import RunConfig
 from .data import make_stream
 from .data.stream import TaskStream
-from .loop import LoopProgress, StreamResult, run_stream, stream_metrics
+from .loop import EpochHook, LoopProgress, StreamResult, run_stream, stream_metrics
 from .methods import build_method
 from .methods.base import Method, TrainConfig
 from .models import build_model
@@ -291,8 +291,16 @@ def _restore(state: dict[str, Any]):
     return restore
 
 
+def _epoch_hooks(*hooks: EpochHook | None) -> EpochHook | None:
+    """One epoch hook calling each of ``hooks`` that is not None, in order (None if there is none)."""
+    given = [h for h in hooks if h is not None]
+    if not given:
+        return None
+    return lambda i, e, loss: [h(i, e, loss) for h in given] and None
+
+
 def run_config(cfg: RunConfig, save: bool = True, *, overwrite: bool = False, resume: bool = False,
-               tensorboard: bool = False) -> list[StreamResult]:
+               tensorboard: bool = False, on_epoch: EpochHook | None = None) -> list[StreamResult]:
     """Run every method of ``cfg`` on its stream, keeping the run folder current.
 
     The folder is ``cfg.out`` under the overwrite policy of :func:`resolve_out` (a new time-stamped
@@ -306,6 +314,8 @@ def run_config(cfg: RunConfig, save: bool = True, *, overwrite: bool = False, re
         resume: continue the run in ``cfg.out``: finished methods are reloaded from ``results.json``, the
             unfinished one continues from its checkpoint.
         tensorboard: also write TensorBoard events (``torch.utils.tensorboard`` must import).
+        on_epoch: ``on_epoch(task_index, epoch, mean_loss)`` after every epoch of every method (beside the run
+            log's own), e.g. for the benchmarks' executed-code fingerprint.
 
     Raises:
         RunExistsError: ``cfg.out`` holds a run and neither ``overwrite`` nor ``resume``.
@@ -383,8 +393,8 @@ def run_config(cfg: RunConfig, save: bool = True, *, overwrite: bool = False, re
                 result = run_stream(model, stream, method, train, seed=cfg.seed, device=cfg.device,
                                     progress=cfg.progress, config=record, resume=start, restore=restore,
                                     on_task_end=on_task_end,
-                                    on_epoch=None if log is None else
-                                    (lambda i, e, loss, m=method, lg=log: lg.epoch(i, e, loss, m.epoch_stats())))
+                                    on_epoch=_epoch_hooks(on_epoch, None if log is None else
+                                    (lambda i, e, loss, m=method, lg=log: lg.epoch(i, e, loss, m.epoch_stats()))))
             finally:
                 if log is not None:
                     log.close()

@@ -1,0 +1,87 @@
+"""A short deterministic probe of a run record's config: which library code it executes, and the numbers it gives.
+
+Run (one process per probe; ``--root`` is the folder holding the ``continual_blr`` to import, e.g. a git worktree of
+the record's commit):
+
+    python benchmarks/probe.py --record benchmarks/records/split_mnist/task/full/ewc_seed0.json --out /tmp/p.json
+    python benchmarks/probe.py --record REC --root /tmp/wt-89e245e7 --out /tmp/old.json   # the record's library
+
+The probe is the record's config (its stream, model, method, seed, train settings) with every task cut to its
+first ``--train`` training and ``--test`` test examples and at most ``--epochs`` epochs (first, middle, last),
+on the CPU with one thread. It writes JSON: the fingerprint of the code it executed (``fingerprint.py``, hashed in
+the sources under ``--root``), the accuracy matrix and the per-task training losses (floats, exact in JSON). Two
+libraries that give the same probe numbers bit for bit, under each CPU kernel path asked for, ran the same
+arithmetic on this input (``check_equivalence.py --side-by-side``); the probe's fingerprint says which code it
+reached. ``backfill`` (``check_equivalence.py --backfill``) uses the fingerprint for records made before
+fingerprints existed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PROBE_TRAIN, PROBE_TEST, PROBE_EPOCHS = 512, 256, 3
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--record", required=True, help="a run record (JSON) whose config is probed")
+    ap.add_argument("--root", default=str(HERE.parent), help="the folder holding the continual_blr to import")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--train", type=int, default=PROBE_TRAIN)
+    ap.add_argument("--test", type=int, default=PROBE_TEST)
+    ap.add_argument("--epochs", type=int, default=PROBE_EPOCHS)
+    ap.add_argument("--data-dir", default=os.environ.get("CONTINUAL_BLR_DATA"))
+    args = ap.parse_args(argv)
+    root = Path(args.root).resolve()
+    sys.path.insert(0, str(root))
+    sys.path.insert(0, str(HERE))
+    import dataclasses
+
+    import torch
+
+    torch.set_num_threads(1)
+    import continual_blr
+    import continual_blr.runner as runner
+    from continual_blr.config import RunConfig, from_dict
+
+    from fingerprint import ExecutedCode
+
+    pkg = Path(continual_blr.__file__).resolve().parent
+    if pkg.parent != root:
+        raise SystemExit(f"probe: imported continual_blr from {pkg}, not from --root {root}")
+    record = json.loads(Path(args.record).read_text())
+    raw = {k: v for k, v in record["config"].items() if k not in ("method", "train_used")}
+    cfg = from_dict(RunConfig, raw)
+    epochs = min(args.epochs, (cfg.methods[0].train or {}).get("epochs", cfg.train.epochs))
+    cfg.train = dataclasses.replace(cfg.train, epochs=min(args.epochs, cfg.train.epochs))
+    if "epochs" in (cfg.methods[0].train or {}):
+        cfg.methods[0].train = dict(cfg.methods[0].train, epochs=epochs)
+    cfg.stream.data_dir = args.data_dir or cfg.stream.data_dir
+    cfg.device, cfg.out, cfg.progress = "cpu", None, False
+    build = runner.build_stream
+
+    def small_stream(c):  # every task cut to its first examples (the same examples in both libraries)
+        stream = build(c)
+        for t in stream.tasks:
+            t.x_train, t.y_train = t.x_train[: args.train], t.y_train[: args.train]
+            t.x_test, t.y_test = t.x_test[: args.test], t.y_test[: args.test]
+        return stream
+
+    runner.build_stream = small_stream
+    with ExecutedCode(pkg) as executed:
+        result = runner.run_config(cfg, save=False)[0]  # traced in every epoch: the probe is short
+    out = {"root": str(root), "record": str(args.record), "epochs": epochs, "train": args.train, "test": args.test,
+           "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY", ""),
+           "fingerprint": executed.fingerprint(), "acc_matrix": result.acc_matrix, "train_loss": result.train_loss}
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Carry run records over a library change by comparing the old and the new library side by side, on this machine.
+
+Run:
+
+    python benchmarks/side_by_side.py --status                 # every row: current, or which code changed
+    python benchmarks/side_by_side.py                          # probe every stale row; declare the equal ones
+    python benchmarks/side_by_side.py --backfill f181ee3       # fingerprint records made before fingerprints
+
+A record is current while its config and the code it executed are unchanged (``records.currency``). When executed
+code did change, this script runs, for the lowest seed of each stale row (records folder × method):
+
+1. the record's library — a git worktree of the commit it ran on (``record_commit``), under ``--worktrees`` — and
+   today's library, each in its own process, on the same short deterministic probe of the record's config
+   (``probe.py``), under each CPU kernel path of ``KERNEL_PATHS`` (the default dispatch, and
+   ``ATEN_CPU_CAPABILITY=default``, torch's plain C++ kernels);
+2. it declares the row equivalent only if every probe pair agrees **bit for bit** (accuracy matrix and per-task
+   training losses) and today's probe executed every changed entry (a probe that never reaches the changed code
+   proves nothing about it: refused, the record needs a full rerun).
+
+An equivalent row's changed entries are appended, old hash → new hash, to ``<records>/equivalent_code.json`` for
+that folder and row, and the entries today's probe executed that the records lack are added to their fingerprints
+(``carried_over`` in each record says when and from which probe), so a later edit of moved code stales them too.
+No CPU is named: the old library runs here, so a record made on an AMD EPYC is carried over on an Intel Xeon.
+
+``--backfill COMMIT``: records made before fingerprints existed (no ``fingerprint``) get one from a probe of their
+row on a worktree of ``COMMIT``, for the rows that are current there by the library-hash rule; the record says
+``fingerprint_source``. The probe traces every call; a branch that only the full run takes (a GPU-only path, a
+late-epoch event) may be missing from a backfilled fingerprint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import fingerprint  # noqa: E402
+import records as run_records  # noqa: E402
+
+ROOT = HERE.parent
+KERNEL_PATHS = ("", "default")  # ATEN_CPU_CAPABILITY: "" = the machine's default dispatch
+
+
+def rows(records_dir: Path) -> dict[tuple[str, str], list[Path]]:
+    """(records folder relative to ``records_dir``, method) → its record files, lowest seed first."""
+    out: dict[tuple[str, str], list[Path]] = {}
+    for path in sorted(Path(records_dir).rglob("*_seed*.json")):
+        if "superseded" in path.parts or path.relative_to(records_dir).parts[0] == "search":
+            continue  # searches choose settings on validation; no table stands on their currency
+        method, _, seed = path.stem.rpartition("_seed")
+        if not seed.isdigit():
+            continue
+        out.setdefault((path.parent.relative_to(records_dir).as_posix(), method), []).append(path)
+    return {k: sorted(v, key=lambda p: int(p.stem.rpartition("_seed")[2])) for k, v in out.items()}
+
+
+def probe(record_path: Path, root: Path, out: Path, kernel: str = "", extra: list[str] | None = None) -> dict:
+    """Run ``probe.py`` on ``record_path``'s config with the library under ``root`` in a fresh process."""
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    if kernel:
+        env["ATEN_CPU_CAPABILITY"] = kernel
+    cmd = [sys.executable, str(HERE / "probe.py"), "--record", str(record_path), "--root", str(root), "--out", str(out),
+           *(extra or [])]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["?"])[-1]
+        raise RuntimeError(f"probe of {record_path.name} on {root} failed: {tail}")
+    return json.loads(out.read_text())
+
+
+def worktree(commit: str, where: Path) -> Path:
+    """A git worktree of ``commit`` under ``where`` (made once, reused)."""
+    path = Path(where) / f"wt-{commit[:12]}"
+    if not (path / "continual_blr").is_dir():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["git", "worktree", "add", "--detach", "-f", str(path), commit], cwd=ROOT, check=True,
+                       capture_output=True)
+    return path
+
+
+def record_commit(record: dict[str, Any]) -> str | None:
+    """The commit whose library the record ran: a backfilled fingerprint's commit, else the record's own commit
+    when it was clean (a dirty run's library is no commit's)."""
+    source = record.get("fingerprint_source") or {}
+    if source.get("commit"):
+        return source["commit"]
+    return record.get("commit") if record.get("dirty") is False else None
+
+
+def compare(record_path: Path, old_root: Path, new_root: Path, changed: list[str],
+            kernels: tuple[str, ...] = KERNEL_PATHS, extra: list[str] | None = None) -> dict[str, Any]:
+    """Probe ``record_path``'s config on both libraries under each kernel path; the verdict and its evidence."""
+    with tempfile.TemporaryDirectory() as tmp:
+        pairs = []
+        for kernel in kernels:
+            old = probe(record_path, old_root, Path(tmp) / f"old{kernel}.json", kernel, extra)
+            new = probe(record_path, new_root, Path(tmp) / f"new{kernel}.json", kernel, extra)
+            same = old["acc_matrix"] == new["acc_matrix"] and old["train_loss"] == new["train_loss"]
+            pairs.append({"kernel": kernel or "machine default", "equal": same,
+                          "train_loss_old": old["train_loss"], "train_loss_new": new["train_loss"]})
+    unreached = sorted(set(changed) - set(new["fingerprint"]))
+    ok = all(p["equal"] for p in pairs) and not unreached
+    reason = ("" if ok else "probe numbers differ" if not all(p["equal"] for p in pairs)
+              else "the probe does not execute " + ", ".join(unreached))
+    return {"equivalent": ok, "reason": reason, "pairs": pairs, "unreached": unreached,
+            "probe_fingerprint": new["fingerprint"]}
+
+
+def declare(records_dir: Path, folder: str, method: str, paths: list[Path], record: dict[str, Any], changed: list[str],
+            verdict: dict[str, Any], new_root: Path) -> None:
+    """Append the changed entries' old → new hashes for (folder, method) and extend the row's fingerprints."""
+    today = fingerprint.source_hashes(set(changed), new_root)
+    file = Path(records_dir) / run_records.EQUIVALENT_CODE
+    data = json.loads(file.read_text()) if file.is_file() else {"declarations": []}
+    when = run_records.now_utc()
+    for entry in changed:
+        data["declarations"].append({"entry": entry, "from": record["fingerprint"][entry], "to": today[entry],
+                                     "folder": folder, "methods": [method], "date": when,
+                                     "probe_record": paths[0].name,
+                                     "kernels": [p["kernel"] for p in verdict["pairs"]],
+                                     "device": run_records.cpu_model()})
+    file.write_text(json.dumps(data, indent=1) + "\n")
+    added = {e: h for e, h in verdict["probe_fingerprint"].items()}
+    for path in paths:
+        rec = json.loads(path.read_text())
+        new_entries = {e: h for e, h in added.items() if e not in rec["fingerprint"]}
+        rec["fingerprint"].update(new_entries)
+        rec.setdefault("carried_over", []).append({"date": when, "changed": changed, "added": sorted(new_entries),
+                                                    "probe_record": paths[0].name})
+        path.write_text(json.dumps(rec, indent=2))
+
+
+def check_row(records_dir: Path, folder: str, method: str, paths: list[Path], worktrees: Path,
+              new_root: Path = ROOT, old_root: Path | None = None, write: bool = True,
+              extra: list[str] | None = None) -> str:
+    """Probe one stale row side by side and declare it if equal; returns a one-line verdict."""
+    record = json.loads(paths[0].read_text())
+    if record.get("fingerprint") is None:
+        return "no fingerprint (run --backfill, or rerun the row)"
+    if run_records.config_changes(record, new_root):
+        return "config changed: rerun the row"
+    eq = run_records.equivalent_code(folder, method, records_dir, new_root)
+    changed = fingerprint.changed_entries(record["fingerprint"], new_root, eq)
+    if not changed:
+        return "current"
+    if old_root is None:
+        commit = record_commit(record)
+        if commit is None:
+            return "stale: the record names no clean commit to compare with; rerun the row"
+        old_root = worktree(commit, worktrees)
+    old_hashes = fingerprint.source_hashes(set(changed), old_root)
+    if any(old_hashes[e] != record["fingerprint"][e] for e in changed):
+        return "stale: the library at the record's commit is not the one its fingerprint names; rerun the row"
+    verdict = compare(paths[0], old_root, new_root, changed, extra=extra)
+    if not verdict["equivalent"]:
+        return f"stale ({verdict['reason']}): rerun the row"
+    if write:
+        declare(records_dir, folder, method, paths, record, changed, verdict, new_root)
+    return f"carried over: {len(changed)} changed entries equal under {len(verdict['pairs'])} kernel paths"
+
+
+def backfill(records_dir: Path, commit: str, worktrees: Path, extra: list[str] | None = None) -> None:
+    """Give every record without a fingerprint that is current at ``commit`` (library-hash rule, that commit's
+    declarations) a fingerprint from one probe of its row on that commit's library."""
+    old_root = worktree(commit, worktrees)
+    base_hash = run_records.library_hash(old_root)
+    base_records = old_root / "benchmarks" / "records"
+    for (folder, method), paths in rows(records_dir).items():
+        todo = []
+        for path in paths:
+            rec = json.loads(path.read_text())
+            if rec.get("fingerprint") is None and run_records.is_current_by_library(rec, base_hash, folder, base_records):
+                todo.append(path)
+        if not todo:
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                got = probe(todo[0], old_root, Path(tmp) / "p.json", "", extra)
+            except RuntimeError as err:
+                print(f"{folder} {method}: {err}")
+                continue
+        source = {"kind": "probe", "commit": subprocess.run(["git", "rev-parse", commit], cwd=ROOT, text=True,
+                                                             capture_output=True).stdout.strip(),
+                  "library_hash": base_hash, "date": run_records.now_utc(), "probe_record": todo[0].name}
+        for path in todo:
+            rec = json.loads(path.read_text())
+            rec["fingerprint"], rec["fingerprint_source"] = got["fingerprint"], source
+            path.write_text(json.dumps(rec, indent=2))
+        print(f"{folder} {method}: {len(todo)} records fingerprinted ({len(got['fingerprint'])} entries)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--records-dir", default=str(run_records.RECORDS_DIR))
+    ap.add_argument("--worktrees", default=os.path.join(tempfile.gettempdir(), "continual_blr_worktrees"))
+    ap.add_argument("--status", action="store_true", help="say which rows are current; probe nothing")
+    ap.add_argument("--backfill", metavar="COMMIT", help="fingerprint records made before fingerprints existed")
+    ap.add_argument("--only", nargs="*", default=None, help="records folders (or folder/method) to check")
+    args = ap.parse_args(argv)
+    records_dir = Path(args.records_dir)
+    if args.backfill:
+        backfill(records_dir, args.backfill, Path(args.worktrees))
+        return 0
+    bad = 0
+    for (folder, method), paths in rows(records_dir).items():
+        if args.only is not None and folder not in args.only and f"{folder}/{method}" not in args.only:
+            continue
+        if args.status:
+            states = [run_records.currency(json.loads(p.read_text()), folder, records_dir) for p in paths]
+            stale = [p.stem.rpartition("_seed")[2] for p, (ok, _) in zip(paths, states) if not ok]
+            why = next((w for ok, w in states if not ok), "")
+            print(f"{folder} {method}: {len(paths)} records, " + (f"stale seeds {stale} ({why})" if stale else "current"))
+            continue
+        verdict = check_row(records_dir, folder, method, paths, Path(args.worktrees))
+        bad += verdict.startswith("stale") or verdict.startswith("config") or verdict.startswith("no finger")
+        print(f"{folder} {method}: {verdict}", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
