@@ -85,6 +85,10 @@ class LoadedRun(SavedRun):
             else:
                 raise ValueError(f"inputs: shape {tuple(t.shape)} does not fit the run's inputs; allowed: "
                                  f"[N, {', '.join(map(str, shape))}] or [N, {per}]")
+        if t.shape[0] == 0:  # e.g. run.stream.tasks[i].x_test of a run loaded without its data: empty tensors
+            hint = ("; the run was loaded without its data, so run.stream.tasks hold no examples: pass "
+                    "load_run(..., data=True)") if self.stream.meta.get("skeleton") else ""
+            raise ValueError(f"inputs: no examples (shape {tuple(t.shape)}){hint}")
         ref = next(self.model.parameters())
         return t.to(device=ref.device, dtype=ref.dtype)
 
