@@ -10,6 +10,19 @@ after training task i and T tasks (for a regression stream R[i, j] is the test R
     average accuracy   A = (1/T) Σ_j R[T−1, j]
     backward transfer  BWT = (1/(T−1)) Σ_{j<T−1} (R[T−1, j] − R[j, j])
     forgetting         F = (1/(T−1)) Σ_{j<T−1} (max_{i<T−1} R[i, j] − R[T−1, j])
+
+BatchNorm (``train.batchnorm``): normalisation statistics are state, like weights, and how they are kept across tasks
+is a choice of the loop that every method sees the same way:
+
+* ``shared`` (default): one set of running statistics, updated by every train-mode batch of every task; each task
+  is evaluated on the statistics the last task left.
+* ``per_task``: when task i's training ends (before ``method.on_task_end``) its statistics are kept
+  (:class:`~continual_blr.memory.NormStatistics`); task j is evaluated on task j's, and a regulariser with a
+  ``norm_statistics`` attribute (FROMP's) evaluates its stored tasks' memorable points on theirs. Training itself
+  is unchanged (batch statistics in train mode, the running ones carried on from the previous task).
+* ``frozen``: from the second task on, the BatchNorm layers run in eval mode during training — they normalise with
+  the running statistics task 1 ended with and never update them — while their affine weights γ, β are trained
+  (and regularised) like every other weight. Every task is evaluated on task 1's statistics.
 """
 
 from __future__ import annotations
@@ -17,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -27,6 +41,7 @@ from tqdm.auto import tqdm
 
 from . import distributed
 from .data.stream import Task, TaskStream
+from .memory import NormStatistics, norm_layers
 from .methods.base import Method, TrainConfig, register_fit_task
 from .mixed_precision import autocast_dtype, match_input_format, to_channels_last, training_autocast
 from .optim.blr import BatchClosure, BayesianLearningRule
@@ -89,6 +104,8 @@ class LoopProgress:
         torch_rng_state: torch's global CPU generator at the boundary (``torch.get_rng_state()``: dropout
             masks); None in checkpoints written before it was kept.
         cuda_rng_state: the CUDA generator of the run's device at the boundary (CUDA runs only).
+        norm_statistics: the per-task BatchNorm statistics kept so far (``NormStatistics.state_dict()``) under
+            ``train.batchnorm: per_task``; None otherwise.
     """
 
     next_task: int
@@ -98,6 +115,7 @@ class LoopProgress:
     generator_state: Tensor
     torch_rng_state: Tensor | None = None
     cuda_rng_state: Tensor | None = None
+    norm_statistics: dict[str, Any] | None = None
 
 
 def stream_metrics(acc: list[list[float]]) -> dict[str, Any]:
@@ -292,10 +310,14 @@ def fit_task(
     generator: torch.Generator,
     progress: bool = True,
     on_epoch: Callable[[int, float], None] | None = None,
+    norm_statistics: NormStatistics | None = None,
 ) -> float:
     """Train ``model`` on ``task`` with ``method``; returns the mean training loss of the last epoch.
 
-    ``on_epoch(epoch, mean_loss)`` (optional) is called after every epoch (for logs).
+    ``on_epoch(epoch, mean_loss)`` (optional) is called after every epoch (for logs). ``norm_statistics``
+    (``train.batchnorm: per_task``) receives the BatchNorm statistics the task ends with, before
+    ``method.on_task_end``. Under ``train.batchnorm: frozen`` and a task after the first (``len(seen) > 1``) the
+    BatchNorm layers are put in eval mode before every step (module docstring).
 
     Raises:
         DivergenceError: an epoch's mean training loss is not finite (checked once per epoch).
@@ -303,11 +325,14 @@ def fit_task(
     method.on_task_start(model, task)
     optimizer = method.make_optimizer(model, task, train)
     tasks = method.train_tasks(task, seen)
+    frozen = [m for _, m in norm_layers(model)] if train.batchnorm == "frozen" and len(seen) > 1 else []
     last = math.nan
     bar = tqdm(range(train.epochs), desc=f"task {task.task_id}", leave=False, disable=None if progress else True)
     for epoch in bar:
         total, n = 0.0, 0  # summed on the loss's device: no host synchronisation per step
         for t, batch in _batches(tasks, train.batch_size, generator):
+            for m in frozen:  # again at every step: evaluation and the BLR's step put the model back in train mode
+                m.eval()
             loss = train_step(model, method, optimizer, batch, t, train)
             total = total + loss.detach() * batch.y.shape[0]
             n += batch.y.shape[0]
@@ -320,8 +345,23 @@ def fit_task(
         bar.set_postfix(loss=f"{last:.4f}")
         if on_epoch is not None:
             on_epoch(epoch, last)
+    if norm_statistics is not None:
+        norm_statistics.save(model, task.task_id)
     method.on_task_end(model, task, optimizer)
     return last
+
+
+def _use_norm_statistics(method: Method, store: NormStatistics) -> None:
+    """Hand ``store`` to the method's regularisers that evaluate stored tasks' functions (a ``norm_statistics``
+    attribute: FROMP's), walking composed regularisers' ``parts`` as ``Method.use_likelihood`` does."""
+    stack = [method.regularizer]
+    while stack:
+        reg = stack.pop()
+        if reg is None:
+            continue
+        if hasattr(reg, "norm_statistics"):
+            reg.norm_statistics = store  # type: ignore[attr-defined]
+        stack.extend(getattr(reg, "parts", []))
 
 
 def run_stream(
@@ -387,6 +427,10 @@ def _run_stream(model, stream, method, train, *, seed, device, progress, config,
     generator = torch.Generator().manual_seed(seed)
     method.use_likelihood(stream.likelihood, stream.sigma)  # before setup: subclasses' setup may not call super
     method.setup(model, stream, train)
+    # per-task BatchNorm statistics (only for a network that has BatchNorm: otherwise nothing would change)
+    norm = NormStatistics() if train.batchnorm == "per_task" and norm_layers(model) else None
+    if norm is not None:
+        _use_norm_statistics(method, norm)
     n = len(tasks)
     acc = [[math.nan] * n for _ in range(n)]
     times: list[float] = []
@@ -403,6 +447,8 @@ def _run_stream(model, stream, method, train, *, seed, device, progress, config,
             torch.set_rng_state(resume.torch_rng_state)
         if resume.cuda_rng_state is not None and device.type == "cuda":
             torch.cuda.set_rng_state(resume.cuda_rng_state, device)
+        if norm is not None:
+            norm.load_state_dict(resume.norm_statistics)
     bar = tqdm(range(start, n), desc=f"{method.name} on {stream.name}", disable=None if progress else True,
                initial=start, total=n)  # disable=None: bars only on a terminal, not in a log
     for i in bar:
@@ -410,15 +456,17 @@ def _run_stream(model, stream, method, train, *, seed, device, progress, config,
         t0 = time.perf_counter()
         epoch_hook = None if on_epoch is None else (lambda epoch, loss, i=i: on_epoch(i, epoch, loss))
         losses.append(fit_task(model, task, method, train, seen=tasks[: i + 1], generator=generator, progress=progress,
-                               on_epoch=epoch_hook))
+                               on_epoch=epoch_hook, norm_statistics=norm))
         times.append(time.perf_counter() - t0)
         for j in range(i + 1):
-            acc[i][j] = evaluate_task(model, method, tasks[j], train.eval_batch_size)
+            with norm.use(model, tasks[j].task_id) if norm is not None else nullcontext():
+                acc[i][j] = evaluate_task(model, method, tasks[j], train.eval_batch_size)
         bar.set_postfix(avg_acc=f"{sum(acc[i][: i + 1]) / (i + 1):.4f}")
         if on_task_end is not None:
             on_task_end(LoopProgress(i + 1, [list(row) for row in acc], list(times), list(losses), generator.get_state(),
                                      torch.get_rng_state(),
-                                     torch.cuda.get_rng_state(device) if device.type == "cuda" else None),
+                                     torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+                                     norm.state_dict() if norm is not None else None),
                         model, method)
     metrics = stream_metrics(acc)
     return StreamResult(

@@ -21,11 +21,19 @@ and indices into the task's training set, the task id and the head, the scores a
 plus ``extras`` — whatever the regulariser rebuilt from them (FROMP: old predictions, kernels,
 Cholesky factors). ``state_dict()`` holds only tensors and plain Python values, so ``torch.save`` /
 ``torch.load(weights_only=True)`` round-trip it and an inspection tool can read it from a finished run.
+
+Normalisation statistics (:class:`NormStatistics`): BatchNorm's running mean and variance are state of the
+network like its weights, but no optimiser moves them — every train-mode forward does. With the loop's
+``train.batchnorm: per_task`` each task's statistics, as the task ends, are kept here (one copy per task id)
+and swapped in (:meth:`NormStatistics.use`) wherever that task's function is evaluated: its test accuracy and a
+functional regulariser's old predictions, kernels and penalty at its memorable points.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,9 +52,14 @@ __all__ = [
     "MemoryEntry",
     "MemoryStore",
     "forward",
+    "NORM_MODES",
+    "NormStatistics",
+    "norm_layers",
 ]
 
 SELECTIONS = ("lambda", "random", "lowest")
+NORM_MODES = ("shared", "per_task", "frozen")
+"""How BatchNorm's running statistics are kept across tasks (``TrainConfig.batchnorm``, ``continual_blr.loop``)."""
 
 
 def _accepts_head(model: nn.Module) -> bool:
@@ -265,3 +278,80 @@ class MemoryStore:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.entries = [MemoryEntry.from_state_dict(s) for s in state["entries"]]
+
+
+# ------------------------------------------------------------------------------ normalisation statistics
+
+_NORM_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def norm_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The (name, module) pairs of ``model``'s batch-normalisation layers that keep running statistics."""
+    return [(n, m) for n, m in model.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+
+
+class NormStatistics:
+    """BatchNorm running statistics of a network, one copy per task: the state ``train.batchnorm: per_task`` keeps.
+
+    For every normalisation layer l (:func:`norm_layers`) it holds, per task id s, the running mean μ_l^s, variance
+    (σ_l^s)² and batch counter the layer had when task s ended. In eval mode layer l computes
+
+        BN_l^s(h) = γ_l (h − μ_l^s) / √((σ_l^s)² + ε_l) + β_l,
+
+    so under :meth:`use` the network is the function task s ended with, up to the weights (γ, β and the rest are
+    shared and trained as usual). Tensors only: :meth:`state_dict` round-trips through ``torch.save`` /
+    ``torch.load(weights_only=True)``.
+    """
+
+    def __init__(self) -> None:
+        self.tasks: dict[int, dict[str, Tensor]] = {}
+
+    def __contains__(self, task_id: object) -> bool:
+        return task_id in self.tasks
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    @torch.no_grad()
+    def save(self, model: nn.Module, task_id: int) -> None:
+        """Keep a copy of the running statistics ``model`` has now as task ``task_id``'s (replacing an older copy)."""
+        self.tasks[int(task_id)] = {f"{n}.{b}": getattr(m, b).detach().clone()
+                                    for n, m in norm_layers(model) for b in _NORM_BUFFERS if getattr(m, b) is not None}
+
+    @contextmanager
+    def use(self, model: nn.Module, task_id: int | None) -> Iterator[None]:
+        """Run ``model`` on task ``task_id``'s statistics inside the block (nothing changes for a task not kept).
+
+        The stored tensors are swapped in as the layers' buffers (the tensor objects are replaced, not copied into:
+        an autograd graph built inside the block keeps the stored tensors, and a later train-mode forward that
+        updates the layers' own buffers in place cannot touch them); the layers' own tensors are put back on exit,
+        also on an exception. Use the block for eval-mode forwards: a train-mode forward inside it would update the
+        stored copy."""
+        stats = self.tasks.get(int(task_id)) if task_id is not None else None
+        if not stats:
+            yield
+            return
+        swapped: list[tuple[nn.Module, str, Tensor]] = []
+        try:
+            for n, m in norm_layers(model):
+                for b in _NORM_BUFFERS:
+                    key = f"{n}.{b}"
+                    own = m._buffers.get(b)
+                    if key not in stats or own is None:
+                        continue
+                    t = stats[key]
+                    if t.device != own.device or t.dtype != own.dtype:
+                        t = stats[key] = t.to(device=own.device, dtype=own.dtype)
+                    swapped.append((m, b, own))
+                    m._buffers[b] = t
+            yield
+        finally:
+            for m, b, own in reversed(swapped):
+                m._buffers[b] = own
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tasks": {int(k): dict(v) for k, v in self.tasks.items()}}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        self.tasks = {} if not state else {int(k): dict(v) for k, v in state.get("tasks", {}).items()}

@@ -39,6 +39,7 @@ from torch.nn import functional as F
 
 from ..curvature import likelihoods as lk
 from ..data.stream import Task, TaskStream
+from ..memory import NORM_MODES
 from ..mixed_precision import channels_last_on, check_precision
 from ..regularizers.base import Regularizer
 from ..types import Batch
@@ -65,6 +66,12 @@ class TrainConfig:
             evaluation stay fp32; :mod:`continual_blr.mixed_precision`).
         channels_last: store convolution weights and 4-D inputs in ``torch.channels_last`` format; None (the
             default): on exactly when ``precision`` is ``"bf16"``.
+        batchnorm: how BatchNorm's running statistics are kept across tasks, for every method alike
+            (``continual_blr.loop``): ``"shared"`` (default: one set, moved by every train-mode batch of every
+            task), ``"per_task"`` (each task's statistics as it ends are kept and used for its evaluation and for a
+            functional penalty at its memorable points), ``"frozen"`` (from the second task on the layers
+            normalise with the statistics task 1 ended with, in training too, and never update them; their
+            affine weights γ, β stay trainable). No effect on a network without BatchNorm.
     """
 
     epochs: int = 10
@@ -75,6 +82,7 @@ class TrainConfig:
     eval_batch_size: int = 1024
     precision: str = "fp32"
     channels_last: bool | None = None
+    batchnorm: str = "shared"
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "eval_batch_size"):
@@ -89,6 +97,8 @@ class TrainConfig:
         check_precision(self.precision, "train.precision")
         if self.channels_last not in (None, True, False):
             raise ValueError(f"train.channels_last: got {self.channels_last!r}; allowed: true, false, null")
+        if self.batchnorm not in NORM_MODES:
+            raise ValueError(f"train.batchnorm: got {self.batchnorm!r}; allowed: {', '.join(map(repr, NORM_MODES))}")
 
     @property
     def use_channels_last(self) -> bool:

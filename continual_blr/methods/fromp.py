@@ -15,22 +15,33 @@ fromp-kron    classwise, Kron Σ   lambda
 ============  ==================  =============
 
 Gradient clipping is the loop's ``train.grad_clip`` (the reference code clips at 0.1 on split MNIST).
+
+Every FROMP-type method (these and ``fromp-replay``) also takes ``output`` (``probs`` | ``logits``),
+``jitter_relative`` and ``drop_below`` (kernel health at each rebuild; :mod:`continual_blr.regularizers.functional`),
+and logs per epoch (``epoch_stats``, the run's ``train_log.csv``) the penalty apart from the rest of the loss:
+``data_loss`` and ``penalty`` (their minibatch-size-weighted means over the epoch, which add up to the loop's
+``train_loss``), ``kernel_dropped`` (memorable points left out at this task's rebuild, summed over the stored tasks)
+and ``kernel_min_diag`` (the smallest diagonal of J Σ Jᵀ there; NaN before the first rebuild). ``memory_stats``
+(``results.json``) carries every rebuild's per-task record as ``kernel_health``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
-from ..data.stream import TaskStream
+from ..data.stream import Task, TaskStream
 from ..memory import SELECTIONS
-from ..regularizers.functional import CLASS_CHOICES, KERNELS, FunctionalRegularizer
-from .base import Method, TrainConfig
+from ..regularizers.functional import CLASS_CHOICES, KERNELS, OUTPUTS, FunctionalRegularizer
+from ..types import Batch
+from .base import Method, TrainConfig, mean_nll
 
 __all__ = ["FROMPParams", "FRORPParams", "FROMPL2Params", "FROMPFullParams", "FROMPKronParams", "FROMPMethod",
-           "memory_store_stats", "FunctionalParams"]
+           "memory_store_stats", "FunctionalParams", "PenaltyLog"]
 
 
 def memory_store_stats(reg: FunctionalRegularizer) -> dict[str, Any]:
@@ -41,7 +52,52 @@ def memory_store_stats(reg: FunctionalRegularizer) -> dict[str, Any]:
             "stored_bytes": sum(int(e.x.numel() * e.x.element_size() + e.y.numel() * e.y.element_size())
                                 for e in entries),
             "derived_bytes": sum(int(t.numel() * t.element_size()) for e in entries for t in e.extras.values()),
-            "selection": reg.selection}
+            "selection": reg.selection,
+            "kernel_health": [[dict(r) for r in rebuild] for rebuild in reg.health]}
+
+
+class PenaltyLog:
+    """The epoch's loss split into the functional penalty and the rest, for ``Method.epoch_stats``.
+
+    Sums Σ_b B_b · data_b and Σ_b B_b · penalty_b over the epoch's steps (B_b the minibatch size, as the loop
+    weighs its ``train_loss``), kept on the loss's device (no host synchronisation per step) and read once per
+    epoch by :meth:`pop`, together with the kernel health of the regulariser's latest rebuild.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.data: Tensor | float = 0.0
+        self.penalty: Tensor | float = 0.0
+        self.n = 0
+
+    def add(self, data: Tensor, penalty: Tensor, n: int) -> None:
+        self.data = self.data + data.detach().float() * n
+        self.penalty = self.penalty + penalty.detach().float() * n
+        self.n += int(n)
+
+    def pop(self, reg: FunctionalRegularizer, started: bool) -> dict[str, float]:
+        """``data_loss``, ``penalty`` (means over the epoch), ``kernel_dropped``, ``kernel_min_diag`` (this task's
+        rebuild, if it had one: ``started``); resets the sums."""
+        n = max(self.n, 1)
+        out = {"data_loss": float(self.data) / n, "penalty": float(self.penalty) / n}
+        last = reg.health[-1] if (reg.health and started) else []
+        diags = [r["min_diag"] for r in last if r["min_diag"] is not None]
+        out["kernel_dropped"] = float(sum(r["dropped_points"] for r in last))
+        out["kernel_min_diag"] = float(min(diags)) if diags else math.nan
+        self.reset()
+        return out
+
+
+def functional_loss(method: Method, reg: FunctionalRegularizer, log: PenaltyLog, model: nn.Module, batch: Batch,
+                    task: Task) -> tuple[Tensor, Tensor]:
+    """(1/B) Σ_i ℓ_i + the penalty — the sum ``Method.loss`` forms, in the same order — returned as (that sum, the
+    penalty) after adding both parts to ``log``."""
+    loss = mean_nll(model(batch.x, head=batch.head), batch.y, method.likelihood, method.sigma)
+    penalty = reg.penalty(model, batch, task)
+    log.add(loss, penalty, batch.y.shape[0])
+    return loss + penalty, penalty
 
 
 @dataclass
@@ -54,6 +110,13 @@ class FunctionalParams:
         selection: ``"lambda"`` (top tr Λ) | ``"random"`` (FRORP) | ``"lowest"``.
         prior_precision: δ in Σ = diag(1 / (F + δ)).
         jitter: ε added to each kernel's diagonal.
+        output: ``"probs"`` (the paper: Δp, K over softmax probabilities) | ``"logits"`` (centred logits: no
+            λ = p(1 − p) factors; the same τ matches the probability kernel at unsaturated points, τ / C² for
+            ``kernel: identity``).
+        jitter_relative: r — each kernel's jitter is ε' = max(jitter, r · its largest diagonal) (0: the absolute
+            jitter, as the paper).
+        drop_below: c — at each rebuild a memorable (point, output) whose kernel diagonal is below c · ε' is left
+            out of the penalty; the run log counts them (0: none is).
         classes: single-head class-incremental streams only — compare only a past ``"task"``'s own
             classes at its points (default), or ``"all"`` the head's outputs. With ``"all"`` the
             kernels of classes the task never saw are ≈ εI (p_c ≈ 0 there, so J_{p_c} ≈ 0), K⁻¹ ≈ 1/ε
@@ -71,6 +134,9 @@ class FunctionalParams:
     jitter: float = 1e-6
     classes: str = "task"
     chunk_size: int | None = None
+    output: str = "probs"
+    jitter_relative: float = 0.0
+    drop_below: float = 0.0
 
     def __post_init__(self) -> None:
         """One-line ``ValueError`` naming the field and what is allowed."""
@@ -88,6 +154,12 @@ class FunctionalParams:
             raise ValueError(f"params.jitter: must be >= 0, got {self.jitter}")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"params.chunk_size: must be >= 1 or null, got {self.chunk_size}")
+        if self.output not in OUTPUTS:
+            raise ValueError(f"params.output: got {self.output!r}; allowed: {', '.join(map(repr, OUTPUTS))}")
+        for name in ("jitter_relative", "drop_below"):
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"params.{name}: must be a finite number >= 0, got {v}")
 
 
 @dataclass
@@ -145,11 +217,27 @@ class FROMPMethod(Method):
         self.params = params or FROMPParams()
         kw = asdict(self.params)
         self.regularizer: FunctionalRegularizer = FunctionalRegularizer(**kw, generator=self.generator)
+        self.penalty_log = PenaltyLog()
+        self._rebuilt = False
 
     def setup(self, model: nn.Module, stream: TaskStream, train: TrainConfig) -> None:
         """Start from an empty memory; single-head class-incremental streams may restrict the columns."""
         self.regularizer.reset()
         self.regularizer.class_incremental = stream.scenario == "class"
+
+    def on_task_start(self, model: nn.Module, task: Task) -> None:
+        """Rebuild the kernels (the regulariser's hook) and start the epoch's penalty log afresh."""
+        self.penalty_log.reset()
+        self._rebuilt = len(self.regularizer.memory) > 0
+        super().on_task_start(model, task)
+
+    def loss(self, model: nn.Module, batch: Batch, task: Task) -> Tensor:
+        """(1/B) Σ_i ℓ_i + (τ/2) Σ Δᵀ K⁻¹ Δ, as ``Method.loss``; both parts go to the epoch's log."""
+        return functional_loss(self, self.regularizer, self.penalty_log, model, batch, task)[0]
+
+    def epoch_stats(self) -> dict[str, float]:
+        """``data_loss``, ``penalty``, ``kernel_dropped``, ``kernel_min_diag`` (module docstring)."""
+        return self.penalty_log.pop(self.regularizer, self._rebuilt)
 
     def memory_stats(self) -> dict[str, Any]:
         return memory_store_stats(self.regularizer) | {"points_per_task": self.params.n_points}

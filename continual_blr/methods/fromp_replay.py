@@ -27,11 +27,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..data.stream import TaskStream
+from ..data.stream import Task, TaskStream
 from ..regularizers.functional import FunctionalRegularizer
 from ..types import Batch
 from .base import Method, TrainConfig
-from .fromp import FunctionalParams, memory_store_stats
+from .fromp import FunctionalParams, PenaltyLog, functional_loss, memory_store_stats
 from .replay import replay_nll
 
 __all__ = ["FROMPReplayParams", "FROMPReplayMethod"]
@@ -75,6 +75,8 @@ class FROMPReplayMethod(Method):
             kw.pop(key)
         kw["n_points"] = kw["memory_size"]
         self.regularizer: FunctionalRegularizer = FunctionalRegularizer(**kw, generator=self.generator)
+        self.penalty_log = PenaltyLog()
+        self._rebuilt = False
 
     def setup(self, model: nn.Module, stream: TaskStream, train: TrainConfig) -> None:
         """Start from an empty memory; single-head class-incremental streams may restrict FROMP's columns."""
@@ -104,14 +106,27 @@ class FROMPReplayMethod(Method):
         groups = [(torch.cat(xs), torch.cat(ys), head) for head, (xs, ys) in sorted(by_head.items())]
         return replay_nll(model, groups, self.likelihood, self.sigma)
 
+    def on_task_start(self, model: nn.Module, task: Task) -> None:
+        """Rebuild the kernels (the regulariser's hook) and start the epoch's penalty log afresh."""
+        self.penalty_log.reset()
+        self._rebuilt = len(self.regularizer.memory) > 0
+        super().on_task_start(model, task)
+
     def loss(self, model: nn.Module, batch: Batch, task) -> Tensor:
-        """The minibatch's mean NLL + γ · the replayed points' mean NLL + FROMP's penalty (module docstring)."""
-        loss = super().loss(model, batch, task)
+        """The minibatch's mean NLL + γ · the replayed points' mean NLL + FROMP's penalty (module docstring); the
+        log's ``data_loss`` holds both NLL terms, ``penalty`` FROMP's."""
+        loss, _ = functional_loss(self, self.regularizer, self.penalty_log, model, batch, task)
         if self.params.replay_weight > 0:
             replay = self._replay_nll(model)
             if replay is not None:
-                loss = loss + self.params.replay_weight * replay
+                term = self.params.replay_weight * replay
+                self.penalty_log.data = self.penalty_log.data + term.detach().float() * batch.y.shape[0]
+                loss = loss + term
         return loss
+
+    def epoch_stats(self) -> dict[str, float]:
+        """``data_loss``, ``penalty``, ``kernel_dropped``, ``kernel_min_diag`` (``continual_blr.methods.fromp``)."""
+        return self.penalty_log.pop(self.regularizer, self._rebuilt)
 
     def memory_stats(self) -> dict[str, Any]:
         return memory_store_stats(self.regularizer) | {"memory_size": self.params.memory_size}

@@ -47,6 +47,49 @@ Kernel variants (``kernel=``):
 Selection (``selection=``): ``"lambda"`` (FROMP: top tr Λ per class), ``"random"`` (FRORP),
 ``"lowest"`` (ablation) — see :mod:`continual_blr.memory`.
 
+Compared outputs (``output=``):
+
+* ``"probs"`` — the paper: Δp and K over the softmax probabilities (above).
+* ``"logits"`` — Δ and K over the **centred logits** f̃ = f − (1/C) Σ_c f_c of the C compared outputs (the logits
+  up to the shift softmax ignores): Δf̃_{s,c} = f̃_c(X_s; θ) − f̃_c(X_s; θ_{t−1}), K_{s,c} = J_{f̃_c} Σ J_{f̃_c}ᵀ + εI —
+  no λ = p(1 − p) factors, so a point the network has become certain of keeps its kernel diagonal and its
+  gradient. τ is rescaled so that the penalty equals the probability kernel's at unsaturated points:
+  J_p = Λ J_f with Λ = diag(p) − ppᵀ = Λ P (P the centring map, f̃ = P f), so in the linearised regime
+  Δp = Λ Δf̃ and, for any invertible A, (AΔ)ᵀ (A K Aᵀ)⁻¹ (AΔ) = Δᵀ K⁻¹ Δ. Hence, with ε → 0,
+
+      2-way head (any p):      Δp_cᵀ K_{p,c}⁻¹ Δp_c = Δm²/G = Δf̃_cᵀ K_{f̃,c}⁻¹ Δf̃_c    (m = f_0 − f_1, Λ = λ·[[1,−1],[−1,1]])
+      C-way head at p = 1/C:   Λ = P / C,  Δp_c = Δf̃_c / C,  K_{p,c} = K_{f̃,c} / C²  → the same quadratic form,
+
+  so for the kernel-weighted penalties (``classwise``, ``full``, ``kron``) the matching τ is **the same τ**
+  (scale s = 1), exactly for 2-way heads and at the uniform prediction of a C-way head, approximately between.
+  FROMP-L2 has no kernel to absorb the scale: ‖Δp‖² = ‖Δf̃‖² / C² at p = 1/C, so its logit penalty is
+  (τ s / 2) Σ_s ‖Δf̃_s‖² with s = 1 / C² (C compared outputs). At a saturated point the two differ as intended:
+  Δp² / (λ² G + ε) → Δp² / ε (up to τ/ε per unit Δp², with a gradient ∝ λ → 0: the plateau of a flipped
+  point), while Δf̃² / (G + ε) stays the GP's own weight, quadratic in the logit change with a gradient that does
+  not vanish. On a class-incremental head (``classes="task"``) the logits are centred over the task's own columns,
+  so the logits later classes gain there do not enter the penalty (the probabilities' softmax over the whole head
+  does); the rescaling is then approximate.
+
+Kernel health at every rebuild (``jitter_relative=``, ``drop_below=``; both off by default, today's kernels). Per
+kernel matrix (one per past task and class; one per task for ``full``) with diagonal d_i = (J Σ Jᵀ)_ii:
+
+    ε' = max(ε, r · max_i d_i)             (r = ``jitter_relative``: the jitter follows the kernel's scale,
+                                             floored at the absolute ε)
+    point i kept  ⇔  d_i ≥ c · ε'          (c = ``drop_below``: 0 keeps every point)
+
+A dropped (point, output) is left out of the penalty — its row and column of K are replaced by the identity's and
+its Δ by 0, so the penalty is exactly (τ/2) Δ_keptᵀ (K_kept + ε'I)⁻¹ Δ_kept over the kept ones — instead of being
+weighed by up to 1/ε' per unit Δ² with a Jacobian that has vanished. It stays in the memory (and in
+``fromp-replay``'s replay of labels); the next rebuild, at new weights, checks it again. Every rebuild appends to
+:attr:`FunctionalRegularizer.health` one record per stored task: its points, the points with a dropped output,
+the (point, output) pairs dropped, the smallest and largest d_i and the largest ε' used.
+
+Normalisation statistics (``norm_statistics``, set by the loop under ``train.batchnorm: per_task``; see
+:class:`~continual_blr.memory.NormStatistics`): the old outputs, the kernels and the penalty's forward over task
+s's memorable points run on the BatchNorm running statistics task s ended with, not on those the current task's
+train-mode batches keep overwriting (then each stored task is its own forward). Without it (``shared``, the
+default) they read the network's current statistics, as the reference code does.
+
 Speed: a training step runs one forward (and, through autograd, one backward) over the memorable
 points of each distinct head, then Σ_c ‖L_c⁻¹ Δp_c‖² with the precomputed Cholesky factors — no Jacobian of the
 memorable points is formed in the step; the gradient Σ_c J_{p_c}ᵀ K_c⁻¹ Δp_c (times τ) is the
@@ -70,6 +113,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -77,29 +121,81 @@ from torch import Tensor, nn
 
 from ..curvature import curvature, eval_mode, kernel
 from ..data.stream import Task
-from ..memory import SELECTIONS, MemoryEntry, MemoryStore, forward, select_memorable
+from ..memory import SELECTIONS, MemoryEntry, MemoryStore, NormStatistics, forward, select_memorable
 from ..mixed_precision import full_precision
 from ..types import Batch, KronBlock, KronCurvature, ParamDict, params_of
 
-__all__ = ["FunctionalRegularizer", "KERNELS", "CLASS_CHOICES"]
+__all__ = ["FunctionalRegularizer", "KERNELS", "CLASS_CHOICES", "OUTPUTS", "condition_kernel"]
 
 KERNELS = ("classwise", "full", "kron", "identity")
 CLASS_CHOICES = ("task", "all")
+OUTPUTS = ("probs", "logits")
 MAX_JITTER_RETRIES = 6
 """If K + εI is not positive definite in float64, ε is multiplied by 10 up to this many times."""
 
 
-def _prob_fn(columns: tuple[int, ...] | None, drop_last: bool):
-    """Row-wise map logits → the compared probabilities (softmax over the head, chosen columns)."""
+def _prob_fn(columns: tuple[int, ...] | None, drop_last: bool, output: str = "probs"):
+    """Row-wise map logits → the compared outputs: the softmax over the head (``"probs"``) or the logits
+    (``"logits"``), restricted to the chosen columns; logits are then centred over those columns (f̃ = f − mean)."""
     idx = list(columns) if columns is not None else None
 
     def fn(f: Tensor) -> Tensor:
-        p = torch.softmax(f, dim=-1)
+        p = torch.softmax(f, dim=-1) if output == "probs" else f
         if idx is not None:
             p = p[:, idx]
+        if output == "logits":
+            p = p - p.mean(-1, keepdim=True)
         return p[:, :-1] if drop_last else p
 
     return fn
+
+
+def condition_kernel(k: Tensor, jitter: float, jitter_relative: float = 0.0, drop_below: float = 0.0
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
+    """Kernel health at a rebuild: jitter, dropped points and the Cholesky factor, per kernel matrix, in float64.
+
+    For each matrix K of ``k`` ([..., n, n]; the leading axes index the kernels, e.g. the classes) with diagonal
+    d_i = K_ii:
+
+        ε' = max(ε, r · max_i d_i),      keep_i = d_i ≥ c · ε'   (all kept when c = 0),
+        K'_ij = K_ij keep_i keep_j + δ_ij (1 − keep_i),      returned: K' + ε'I and its lower Cholesky factor.
+
+    A dropped index i is decoupled (row and column of the identity), so for any Δ with Δ_i = 0 at the dropped
+    indices Δᵀ (K' + ε'I)⁻¹ Δ = Δ_keptᵀ (K_kept + ε'I)⁻¹ Δ_kept. If K' + ε'I is not positive definite, every ε' is
+    multiplied by 10 (at most :data:`MAX_JITTER_RETRIES` times, with a warning).
+
+    Args:
+        k: symmetric kernels [..., n, n].
+        jitter: ε, the absolute jitter (and the floor of the relative one).
+        jitter_relative: r ≥ 0.
+        drop_below: c ≥ 0, in units of ε'.
+
+    Returns:
+        ``(K' + ε'I, L, ε' [...], keep [..., n] bool or None when c = 0, d [..., n])``, all float64 but ``keep``.
+    """
+    k64 = k.to(torch.float64)
+    k64 = 0.5 * (k64 + k64.mT)
+    d = torch.diagonal(k64, dim1=-2, dim2=-1)
+    eps = torch.clamp(jitter_relative * d.amax(-1), min=float(jitter))
+    keep = None
+    if drop_below > 0:
+        keep = d >= drop_below * eps.unsqueeze(-1)
+        both = keep.unsqueeze(-1) & keep.unsqueeze(-2)
+        k64 = torch.where(both, k64, torch.zeros((), dtype=k64.dtype, device=k64.device))
+        k64 = k64 + torch.diag_embed((~keep).to(k64.dtype))
+    eye = torch.eye(k64.shape[-1], dtype=torch.float64, device=k64.device)
+    e = eps
+    for _ in range(MAX_JITTER_RETRIES + 1):
+        kj = k64 + e[..., None, None] * eye
+        chol, info = torch.linalg.cholesky_ex(kj)
+        if not bool((info > 0).any()):
+            if not torch.equal(e, eps):
+                warnings.warn(f"FROMP kernel not positive definite with jitter {float(eps.max()):g}; used "
+                              f"{float(e.max()):g}", stacklevel=3)
+            return kj, chol, e, keep, d
+        e = torch.clamp(e * 10.0, min=1e-12)
+    raise RuntimeError(f"FROMP kernel is not positive definite even with jitter {float(e.max()) / 10:g}; check the "
+                       "model outputs and prior_precision")
 
 
 def _cholesky(k: Tensor, jitter: float) -> tuple[Tensor, Tensor, float]:
@@ -138,6 +234,9 @@ def _shrink(e: MemoryEntry, keep: Tensor) -> MemoryEntry:
             sub = k[idx][:, idx]
         ex["kernel"] = sub
         ex["chol"] = torch.linalg.cholesky(sub.to(torch.float64)).to(sub.dtype)
+        if "keep" in ex:  # [C, M] (classwise) or [M·C'] (full)
+            kk = ex["keep"]
+            ex["keep"] = kk[:, kp] if kk.dim() == 2 else kk.reshape(-1, c)[kp].reshape(-1)
     return MemoryEntry(e.task_id, e.head, e.x[keep.to(e.x.device)], e.y[keep.to(e.y.device)],
                        e.indices[keep.to(e.indices.device)], e.scores[keep.to(e.scores.device)], e.selection,
                        e.columns, ex)
@@ -180,6 +279,18 @@ class FunctionalRegularizer:
             (:meth:`share_memory`): ⌊M / G⌋ points per group, the remainder one each to the newest groups;
             each past task keeps its groups' first (most memorable) points and the task just finished gets
             its share of newly selected ones, so the store never holds more than M points.
+        output: ``"probs"`` (the paper) | ``"logits"`` (centred logits; module docstring: same τ for the kernels,
+            τ / C² for ``kernel="identity"``).
+        jitter_relative: r in ε' = max(ε, r · max_i K_ii) per kernel matrix (0: the absolute ε, as the paper).
+        drop_below: c — a (point, output) whose K_ii < c · ε' at a rebuild is left out of the penalty until the next
+            rebuild (0: none is). Counts in :attr:`health`.
+
+    Attributes:
+        health: one list per rebuild, one dict per stored task: ``task_id``, ``points``, ``dropped_points`` (points
+            with at least one output dropped), ``dropped_outputs`` ((point, output) pairs dropped), ``min_diag`` /
+            ``max_diag`` (of J Σ Jᵀ, before jitter) and ``jitter`` (the largest ε' used).
+        norm_statistics: per-task BatchNorm statistics to evaluate each stored task on (None: the network's
+            current ones); set by the loop under ``train.batchnorm: per_task``.
     """
 
     def __init__(
@@ -196,7 +307,15 @@ class FunctionalRegularizer:
         generator: torch.Generator | None = None,
         chunk_size: int | None = None,
         memory_size: int | None = None,
+        output: str = "probs",
+        jitter_relative: float = 0.0,
+        drop_below: float = 0.0,
     ) -> None:
+        if output not in OUTPUTS:
+            raise ValueError(f"output: got {output!r}; allowed: {', '.join(map(repr, OUTPUTS))}")
+        for name, v in (("jitter_relative", jitter_relative), ("drop_below", drop_below)):
+            if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
+                raise ValueError(f"{name}: must be a finite number >= 0, got {v!r}")
         if kernel not in KERNELS:
             raise ValueError(f"kernel: got {kernel!r}; allowed: {', '.join(map(repr, KERNELS))}")
         if selection not in SELECTIONS:
@@ -226,18 +345,35 @@ class FunctionalRegularizer:
         self.class_incremental = bool(class_incremental)
         self.generator = generator
         self.chunk_size = chunk_size
+        self.output = output
+        self.jitter_relative = float(jitter_relative)
+        self.drop_below = float(drop_below)
+        self.health: list[list[dict[str, Any]]] = []
+        self._norm_statistics: NormStatistics | None = None
         self.memory = MemoryStore()
         self.fisher: ParamDict | None = None  # Σ_tasks diag GGN (classwise / full / kron's non-block part)
         self.kron: dict[str, dict[str, Any]] = {}  # weight → {"bias", "a_sum" (Σ N·A), "n", "g" (Σ G)}
         self._groups: list | None = None  # per head: (head, x_cat, parts), built from the memory
+        self._group_tasks: list[int | None] = []  # per group: the task whose BatchNorm statistics it uses (or None)
 
     # ------------------------------------------------------------------------------------ state
+
+    @property
+    def norm_statistics(self) -> NormStatistics | None:
+        """Per-task BatchNorm statistics each stored task is evaluated on (None: the network's current ones)."""
+        return self._norm_statistics
+
+    @norm_statistics.setter
+    def norm_statistics(self, value: NormStatistics | None) -> None:
+        self._norm_statistics = value
+        self._groups = None  # the penalty's forwards are grouped by task when statistics are kept per task
 
     def reset(self) -> None:
         """Forget every past task (memory and accumulated curvature)."""
         self.memory.clear()
         self.fisher = None
         self.kron = {}
+        self.health = []
         self._groups = None
 
     def _columns(self, task: Task) -> tuple[int, ...] | None:
@@ -246,7 +382,19 @@ class FunctionalRegularizer:
         return None
 
     def _drop_last(self, entry: MemoryEntry) -> bool:
-        return self.kernel == "full" and entry.columns is None
+        """Whether the full kernel leaves out the last compared output: the probabilities over a whole head sum to
+        one and centred logits to zero, so that output is determined by the others."""
+        return self.kernel == "full" and (entry.columns is None or self.output == "logits")
+
+    def _norm(self, model: nn.Module, task_id: int | None):
+        """The block in which ``model`` runs on stored task ``task_id``'s BatchNorm statistics (if kept)."""
+        if self.norm_statistics is None or task_id is None:
+            return nullcontext()
+        return self.norm_statistics.use(model, task_id)
+
+    def _identity_scale(self, n_outputs: int) -> float:
+        """s in FROMP-L2's (τ s / 2) ‖Δ‖²: 1 on probabilities, 1 / C² on the C compared centred logits."""
+        return 1.0 if self.output == "probs" else 1.0 / float(n_outputs) ** 2
 
     # --------------------------------------------------------------------------- task boundaries
 
@@ -351,26 +499,53 @@ class FunctionalRegularizer:
 
     @full_precision
     def rebuild(self, model: nn.Module) -> None:
-        """For every stored task: p_old = p(X_s; θ), K_{s,c} + εI and its Cholesky factor."""
+        """For every stored task: the old outputs o_old = o(X_s; θ) (``p_old``: probabilities or centred logits),
+        K_{s,c} + ε'I and its Cholesky factor, with the kernel health of the module docstring (a record per task
+        appended to :attr:`health`). Each task's outputs and kernels use its own BatchNorm statistics when
+        :attr:`norm_statistics` keeps them."""
         if not len(self.memory):
             return
         ref = next(p for p in model.parameters())
         sigma = self.sigma(model) if self.kernel != "identity" else None
-        entries = []
+        health = self.jitter_relative > 0 or self.drop_below > 0
+        entries, records = [], []
         for entry in self.memory:
             e = entry.to(ref.device)
             x = e.x.to(dtype=ref.dtype) if e.x.is_floating_point() else e.x
             e.x = x
-            with torch.no_grad(), eval_mode(model):
-                e.extras = {"p_old": _prob_fn(e.columns, False)(forward(model, x, e.head)).detach()}
+            record: dict[str, Any] = {"task_id": int(e.task_id), "points": len(e), "dropped_points": 0,
+                                      "dropped_outputs": 0, "min_diag": None, "max_diag": None,
+                                      "jitter": None}
+            with self._norm(model, e.task_id):
+                with torch.no_grad(), eval_mode(model):
+                    e.extras = {"p_old": _prob_fn(e.columns, False, self.output)(forward(model, x, e.head)).detach()}
+                if sigma is not None:
+                    k = kernel(model, x, sigma, head=e.head,
+                               output_fn=_prob_fn(e.columns, self._drop_last(e), self.output),
+                               blockwise=self.kernel != "full", chunk_size=self.chunk_size)
             if sigma is not None:
-                k = kernel(model, x, sigma, head=e.head, output_fn=_prob_fn(e.columns, self._drop_last(e)),
-                           blockwise=self.kernel != "full", chunk_size=self.chunk_size)
-                kj, chol, eps = _cholesky(k.detach(), self.jitter)
-                e.extras.update(kernel=kj.to(ref.dtype), chol=chol.to(ref.dtype),
-                                jitter=torch.tensor(eps, dtype=torch.float64))
+                if not health:  # the paper's absolute jitter, exactly as before the health options existed
+                    kj, chol, eps = _cholesky(k.detach(), self.jitter)
+                    e.extras.update(kernel=kj.to(ref.dtype), chol=chol.to(ref.dtype),
+                                    jitter=torch.tensor(eps, dtype=torch.float64))
+                    d = torch.diagonal(k.detach().to(torch.float64), dim1=-2, dim2=-1)
+                    keep, eps_max = None, eps
+                else:
+                    kj, chol, eps_t, keep, d = condition_kernel(k.detach(), self.jitter, self.jitter_relative,
+                                                                self.drop_below)
+                    eps_max = float(eps_t.max())
+                    e.extras.update(kernel=kj.to(ref.dtype), chol=chol.to(ref.dtype),
+                                    jitter=torch.tensor(eps_max, dtype=torch.float64), jitters=eps_t)
+                    if keep is not None:
+                        e.extras["keep"] = keep
+                record.update(min_diag=float(d.min()), max_diag=float(d.max()), jitter=float(eps_max))
+                if keep is not None:
+                    per_point = (~keep).any(0) if keep.dim() == 2 else (~keep).reshape(len(e), -1).any(1)
+                    record.update(dropped_points=int(per_point.sum()), dropped_outputs=int((~keep).sum()))
             entries.append(e)
+            records.append(record)
         self.memory.entries = entries
+        self.health.append(records)
         self._groups = None
 
     # ----------------------------------------------------------------------------------- penalty
@@ -379,16 +554,17 @@ class FunctionalRegularizer:
         """Memorable points grouped by head (one forward per head and step); within a head, tasks with the
         same number of points and compared columns are stacked so that one batched triangular solve
         serves them all."""
-        by_head: dict[int, dict[tuple, list[MemoryEntry]]] = {}
+        by_head: dict[tuple[int, int | None], dict[tuple, list[MemoryEntry]]] = {}
+        per_task = self.norm_statistics is not None  # one forward per task: each on its own statistics
         for e in self.memory:
             if "p_old" not in e.extras:
                 raise RuntimeError("FROMP: kernels and old predictions are not built; call on_task_start (or "
                                    "rebuild) after on_task_end / load_state_dict")
             key = (len(e), e.extras["p_old"].shape[1], e.columns is None)
-            by_head.setdefault(e.head, {}).setdefault(key, []).append(e)
+            by_head.setdefault((e.head, e.task_id if per_task else None), {}).setdefault(key, []).append(e)
         mode = "identity" if self.kernel == "identity" else ("full" if self.kernel == "full" else "classwise")
-        groups = []
-        for head, buckets in by_head.items():
+        groups, group_tasks = [], []
+        for (head, task_id), buckets in by_head.items():
             xs, parts, start = [], [], 0
             for (m, _, no_cols), es in buckets.items():
                 n = len(es) * m
@@ -397,9 +573,16 @@ class FunctionalRegularizer:
                 p_old = torch.stack([e.extras["p_old"] for e in es]).to(device=device, dtype=dtype)  # [E, M, C]
                 chol = (None if mode == "identity"
                         else torch.stack([e.extras["chol"] for e in es]).to(device=device, dtype=dtype))
-                parts.append((slice(start, start + n), len(es), m, cols, self._drop_last(es[0]), p_old, chol))
+                mask = None  # kept (point, output) pairs, shaped like the solve's right-hand side
+                if chol is not None and any("keep" in e.extras for e in es):
+                    mask = torch.stack([e.extras["keep"] if "keep" in e.extras
+                                        else torch.ones(chol.shape[1:-1], dtype=torch.bool, device=device)
+                                        for e in es]).to(device=device, dtype=dtype).unsqueeze(-1)
+                parts.append((slice(start, start + n), len(es), m, cols, self._drop_last(es[0]), p_old, mask, chol))
                 start += n
             groups.append((head, torch.cat(xs), parts))
+            group_tasks.append(task_id)
+        self._group_tasks = group_tasks
         return groups
 
     @full_precision
@@ -416,21 +599,27 @@ class FunctionalRegularizer:
         if self._groups is None or self._groups[0][1].device != ref.device or self._groups[0][1].dtype != ref.dtype:
             self._groups = self._build_groups(ref.device, ref.dtype)
         total = zero
-        for head, x, parts in self._groups:
-            with eval_mode(model):  # as the reference: no dropout noise in Δp
-                p = torch.softmax(forward(model, x, head, params), dim=-1)
-            for sl, n_tasks, m, cols, drop_last, p_old, chol in parts:
+        for (head, x, parts), task_id in zip(self._groups, self._group_tasks):
+            with eval_mode(model), self._norm(model, task_id):  # as the reference: no dropout noise in Δp
+                f = forward(model, x, head, params)
+                p = torch.softmax(f, dim=-1) if self.output == "probs" else f
+            for sl, n_tasks, m, cols, drop_last, p_old, mask, chol in parts:
                 pe = p[sl].reshape(n_tasks, m, -1)
                 if cols is not None:
                     pe = torch.gather(pe, 2, cols.unsqueeze(1).expand(n_tasks, m, cols.shape[1]))
+                if self.output == "logits":
+                    pe = pe - pe.mean(-1, keepdim=True)  # centred over the compared outputs, as p_old
                 d = pe - p_old  # [E, M, C]
                 if chol is None:  # FROMP-L2
-                    total = total + (d * d).sum()
+                    sq = (d * d).sum()
+                    total = total + (sq if self.output == "probs" else self._identity_scale(d.shape[-1]) * sq)
                     continue
                 if self.kernel == "full":  # one kernel over (point, output), index m·C' + c (C' = C − 1 if dropped)
                     rhs = (d[..., :-1] if drop_last else d).reshape(n_tasks, -1, 1)
                 else:  # one kernel per class
                     rhs = d.transpose(1, 2).unsqueeze(-1)  # [E, C, M, 1]
+                if mask is not None:  # dropped (point, output) pairs: Δ = 0 on their decoupled rows
+                    rhs = rhs * mask
                 z = torch.linalg.solve_triangular(chol, rhs, upper=False)
                 total = total + (z * z).sum()
         return 0.5 * self.tau * total
@@ -440,7 +629,8 @@ class FunctionalRegularizer:
     def config(self) -> dict[str, Any]:
         return {"tau": self.tau, "n_points": self.n_points, "kernel": self.kernel, "selection": self.selection,
                 "prior_precision": self.prior_precision, "jitter": self.jitter, "classes": self.classes,
-                "class_incremental": self.class_incremental, "memory_size": self.memory_size}
+                "class_incremental": self.class_incremental, "memory_size": self.memory_size, "output": self.output,
+                "jitter_relative": self.jitter_relative, "drop_below": self.drop_below}
 
     def state_dict(self) -> dict[str, Any]:
         """Plain tensors / dicts / lists only (``torch.load(weights_only=True)`` reads it back)."""
@@ -449,12 +639,17 @@ class FunctionalRegularizer:
             "fisher": None if self.fisher is None else dict(self.fisher),
             "kron": {w: dict(st) for w, st in self.kron.items()},
             "memory": self.memory.state_dict(),
+            "health": [[dict(r) for r in rebuild] for rebuild in self.health],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         cfg = state.get("config", {})
         if cfg and cfg.get("kernel") != self.kernel:
             raise ValueError(f"state: saved with kernel {cfg.get('kernel')!r}, this regulariser uses {self.kernel!r}")
+        if cfg and cfg.get("output", "probs") != self.output:
+            raise ValueError(f"state: saved with output {cfg.get('output', 'probs')!r}, this regulariser uses "
+                             f"{self.output!r}")
+        self.health = [[dict(r) for r in rebuild] for rebuild in state.get("health", [])]
         self.class_incremental = bool(cfg.get("class_incremental", self.class_incremental))
         self.fisher = None if state.get("fisher") is None else dict(state["fisher"])
         self.kron = {w: dict(st) for w, st in state.get("kron", {}).items()}
