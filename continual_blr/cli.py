@@ -217,6 +217,11 @@ def _build_config(args: argparse.Namespace):
     for i, m in enumerate(cfg.methods):
         if registry_name(m.name) not in METHODS:
             return f"methods[{i}]: unknown method {m.name!r}; allowed: {', '.join(sorted(METHODS))}"
+    if args.config:  # the embedded default's stream and methods serve only a run without a config file
+        for key, example in (("stream", "stream: {name: split_digits}"), ("methods", "methods: [blr, none]")):
+            if key not in data and not (key == "methods" and args.method):
+                alt = ", or --method NAME" if key == "methods" else ""
+                return f"config {args.config}: no '{key}:' key; give one (e.g. {example}{alt})"
     if args.seed is not None:
         cfg.seed = check_seed(args.seed)
     if args.out is not None:

@@ -76,9 +76,11 @@ BAD_INPUT = [
     ("device gpu in the config", lambda t: ["run", _yaml(t, "device: gpu\n")], ["device", "cpu, cuda, cuda:N"]),
     ("--seed -1", lambda t: ["run", "--seed", "-1"], ["--seed", "-1", ">= 0"]),
     ("seed -1 in the config", lambda t: ["run", _yaml(t, "seed: -1\n")], ["seed", ">= 0"]),
-    ("method parameter", lambda t: ["run", _yaml(t, "methods: [{name: none}, {name: blr, params: {lrr: 1}}]\n")],
+    ("method parameter", lambda t: ["run", _yaml(t, "stream: {name: synthetic}\n"
+                                                    "methods: [{name: none}, {name: blr, params: {lrr: 1}}]\n")],
      ["methods[1] (blr)", "lrr", "allowed", "lr"]),
-    ("method without parameters given some", lambda t: ["run", _yaml(t, "methods: [{name: none, params: {a: 1}}]\n")],
+    ("method without parameters given some",
+     lambda t: ["run", _yaml(t, "stream: {name: synthetic}\nmethods: [{name: none, params: {a: 1}}]\n")],
      ["methods[0] (none)"]),
     ("unknown method in the config", lambda t: ["run", _yaml(t, "methods: [blr, nope]\n")], ["methods[1]", "nope"]),
     ("--threads 0", lambda t: ["run", "--threads", "0"], ["--threads", ">= 1"]),

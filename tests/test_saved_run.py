@@ -27,7 +27,7 @@ def run_dir(tmp_path_factory):
     """A split-digits run of ``none``, ``fromp`` and ``blr`` with posterior-sampled predictions (1 epoch)."""
     out = tmp_path_factory.mktemp("saved") / "run"
     cfg = tmp_path_factory.mktemp("cfg") / "c.yaml"
-    cfg.write_text(f"out: {out}\ntrain: {{epochs: 1}}\nprogress: false\nmethods:\n  - none\n  - fromp\n"
+    cfg.write_text(f"out: {out}\nstream: {{name: split_digits}}\ntrain: {{epochs: 1}}\nprogress: false\nmethods:\n  - none\n  - fromp\n"
                    "  - {name: blr, params: {predict_samples: 4}}\n")
     assert main(["run", str(cfg)]) == 0
     return out
