@@ -24,6 +24,7 @@ from __future__ import annotations
 import ast
 import copy
 import hashlib
+import inspect
 import sys
 import threading
 from pathlib import Path
@@ -95,14 +96,17 @@ class ExecutedCode:
     def __exit__(self, *exc: object) -> None:
         self.pause()
 
-    def entries(self) -> set[str]:
+    def entries(self, definitions_only: bool = False) -> set[str]:
         """``"<path>::<qualified name>"`` of every package function, class body or module body that ran, the path
-        relative to the package's parent folder (``continual_blr/loop.py``)."""
+        relative to the package's parent folder (``continual_blr/loop.py``). ``definitions_only``: only module
+        and class bodies (code that runs once per process, when a module is imported)."""
         root = Path(self.package_dir).parent
         out = set()
         for code in self.codes:
             if not code.co_filename.startswith(self.package_dir):
                 continue
+            if definitions_only and code.co_flags & inspect.CO_NEWLOCALS:
+                continue  # a function's frame, not a module or class body
             rel = Path(code.co_filename).resolve().relative_to(root).as_posix()
             out.add(f"{rel}::{entry_name(code.co_qualname)}")
         for module, built in BUILT_SOURCES.items():
@@ -157,8 +161,20 @@ def _digest(node: ast.AST) -> str:
     return hashlib.sha256(ast.dump(node, annotate_fields=True, include_attributes=False).encode()).hexdigest()[:16]
 
 
+_MODULE_CACHE: dict[tuple[str, int, int, str], dict[str, str]] = {}
+
+
 def module_hashes(path: Path, rel: str) -> dict[str, str]:
-    """Every entry of one module (``<module>``, each class body, each function and method) with its hash."""
+    """Every entry of one module (``<module>``, each class body, each function and method) with its hash (cached
+    per file, size and modification time)."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size, rel)
+    if key not in _MODULE_CACHE:
+        _MODULE_CACHE[key] = _module_hashes(path, rel)
+    return _MODULE_CACHE[key]
+
+
+def _module_hashes(path: Path, rel: str) -> dict[str, str]:
     tree = _NoDocstrings().visit(ast.parse(path.read_text(), filename=str(path)))
     out: dict[str, str] = {}
 

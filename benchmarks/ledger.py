@@ -171,12 +171,48 @@ def describe(e: dict[str, Any]) -> str:
             f"params {params}{train}{again}")
 
 
+def fix_commits(records_dir: Path) -> int:
+    """Records whose named commit does not hold the library they ran (``records.commit_check``: a hand-typed
+    commit, or a run on uncommitted changes) get the commit that does: the named one if a unique prefix of it
+    does, else the oldest commit whose library hashes as the record's. The record keeps what it claimed under
+    ``commit_fixed``. Returns how many were fixed."""
+    by_library: dict[str, str] = {}
+    for commit in _git("log", "--format=%H").split():  # newest first: the last one written is the oldest
+        lib = run_records.commit_library_hash(commit)
+        if lib:
+            by_library[lib] = commit
+    n = 0
+    for path in sorted(Path(records_dir).rglob("*_seed*.json")):
+        if "/search/" in path.as_posix():
+            continue
+        rec = json.loads(path.read_text())
+        check = run_records.commit_check(rec)
+        if check in ("ok", "no commit"):
+            continue
+        prefix = _git("rev-parse", "--verify", "-q", (rec["commit"] or "")[:7] + "^{commit}").strip()
+        fixed = prefix if prefix and run_records.commit_library_hash(prefix) == rec.get("library_hash") else \
+            by_library.get(rec.get("library_hash"))
+        if fixed is None:
+            continue
+        rec["commit_fixed"] = {"claimed": rec["commit"], "claimed_dirty": rec.get("dirty"), "check": check,
+                               "how": "unique prefix of the claimed commit" if fixed == prefix
+                               else "oldest commit whose library hashes as the record's", "date": run_records.now_utc()}
+        rec["commit"], rec["dirty"] = fixed, False
+        path.write_text(json.dumps(rec, indent=2))
+        n += 1
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--records-dir", default=str(run_records.RECORDS_DIR))
     ap.add_argument("--recover", action="store_true", help="rebuild superseded records from the git history")
+    ap.add_argument("--fix-commits", action="store_true", help="name the commit that holds each record's library")
     args = ap.parse_args(argv)
     records_dir = Path(args.records_dir)
+    if args.fix_commits:
+        print(f"ledger: {fix_commits(records_dir)} records now name the commit that holds their library")
+        return 0
     if args.recover:
         print(f"ledger: {recover(records_dir)} earlier record versions written to superseded/")
         return 0

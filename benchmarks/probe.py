@@ -8,7 +8,9 @@ the record's commit):
 
 The probe is the record's config (its stream, model, method, seed, train settings) with every task cut to its
 first ``--train`` training and ``--test`` test examples and at most ``--epochs`` epochs (first, middle, last),
-on the CPU with one thread. It writes JSON: the fingerprint of the code it executed (``fingerprint.py``, hashed in
+on the CPU with one thread. Several records are probed one after the other in one process (torch is imported
+once); module and class bodies, which run at import, count for each. It writes a JSON list, one item per record: the
+fingerprint of the code it executed (``fingerprint.py``, hashed in
 the sources under ``--root``), the accuracy matrix and the per-task training losses (floats, exact in JSON). Two
 libraries that give the same probe numbers bit for bit, under each CPU kernel path asked for, ran the same
 arithmetic on this input (``check_equivalence.py --side-by-side``); the probe's fingerprint says which code it
@@ -30,7 +32,7 @@ PROBE_TRAIN, PROBE_TEST, PROBE_EPOCHS = 512, 256, 3
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--record", required=True, help="a run record (JSON) whose config is probed")
+    ap.add_argument("--record", required=True, nargs="+", help="run records (JSON) whose configs are probed, in order")
     ap.add_argument("--root", default=str(HERE.parent), help="the folder holding the continual_blr to import")
     ap.add_argument("--out", required=True)
     ap.add_argument("--train", type=int, default=PROBE_TRAIN)
@@ -50,20 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     import continual_blr.runner as runner
     from continual_blr.config import RunConfig, from_dict
 
+    import fingerprint
     from fingerprint import ExecutedCode
 
     pkg = Path(continual_blr.__file__).resolve().parent
     if pkg.parent != root:
         raise SystemExit(f"probe: imported continual_blr from {pkg}, not from --root {root}")
-    record = json.loads(Path(args.record).read_text())
-    raw = {k: v for k, v in record["config"].items() if k not in ("method", "train_used")}
-    cfg = from_dict(RunConfig, raw)
-    epochs = min(args.epochs, (cfg.methods[0].train or {}).get("epochs", cfg.train.epochs))
-    cfg.train = dataclasses.replace(cfg.train, epochs=min(args.epochs, cfg.train.epochs))
-    if "epochs" in (cfg.methods[0].train or {}):
-        cfg.methods[0].train = dict(cfg.methods[0].train, epochs=epochs)
-    cfg.stream.data_dir = args.data_dir or cfg.stream.data_dir
-    cfg.device, cfg.out, cfg.progress = "cpu", None, False
     build = runner.build_stream
 
     def small_stream(c):  # every task cut to its first examples (the same examples in both libraries)
@@ -74,12 +68,29 @@ def main(argv: list[str] | None = None) -> int:
         return stream
 
     runner.build_stream = small_stream
-    with ExecutedCode(pkg) as executed:
-        result = runner.run_config(cfg, save=False)[0]  # traced in every epoch: the probe is short
-    out = {"root": str(root), "record": str(args.record), "epochs": epochs, "train": args.train, "test": args.test,
-           "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY", ""),
-           "fingerprint": executed.fingerprint(), "acc_matrix": result.acc_matrix, "train_loss": result.train_loss}
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    tracers, outs = [], []
+    for record_path in args.record:
+        record = json.loads(Path(record_path).read_text())
+        raw = {k: v for k, v in record["config"].items() if k not in ("method", "train_used")}
+        cfg = from_dict(RunConfig, raw)
+        epochs = min(args.epochs, (cfg.methods[0].train or {}).get("epochs", cfg.train.epochs))
+        cfg.train = dataclasses.replace(cfg.train, epochs=min(args.epochs, cfg.train.epochs))
+        if "epochs" in (cfg.methods[0].train or {}):
+            cfg.methods[0].train = dict(cfg.methods[0].train, epochs=epochs)
+        cfg.stream.data_dir = args.data_dir or cfg.stream.data_dir
+        cfg.device, cfg.out, cfg.progress = "cpu", None, False
+        with ExecutedCode(pkg) as executed:
+            result = runner.run_config(cfg, save=False)[0]  # traced in every epoch: the probe is short
+        tracers.append(executed)
+        outs.append({"record": str(record_path), "epochs": epochs, "acc_matrix": result.acc_matrix,
+                     "train_loss": result.train_loss, "entries": executed.entries()})
+    # module and class bodies run once per process, at import: they count for every probe of the process
+    definitions = set().union(*(t.entries(definitions_only=True) for t in tracers))
+    for o in outs:
+        o["fingerprint"] = fingerprint.source_hashes(o.pop("entries") | definitions, root)
+    meta = {"root": str(root), "train": args.train, "test": args.test,
+            "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY", "")}
+    Path(args.out).write_text(json.dumps([meta | o for o in outs], indent=1))
     return 0
 
 

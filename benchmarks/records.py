@@ -374,3 +374,51 @@ def run_provenance(device: str = "cpu") -> dict[str, Any]:
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__,
                      "scikit-learn": sk},
         "device": info["gpu"] or info["cpu"], "device_info": info}
+
+
+_COMMIT_LIBRARY: dict[str, str | None] = {}
+
+
+def commit_library_hash(commit: str) -> str | None:
+    """:func:`library_hash` of the library as committed at ``commit`` (read from git, no checkout); None if the
+    commit does not exist here."""
+    if commit not in _COMMIT_LIBRARY:
+        listing = _git("ls-tree", "-r", commit, "--", "continual_blr")
+        if listing is None:
+            _COMMIT_LIBRARY[commit] = None
+            return None
+        files = []
+        for line in listing.splitlines():
+            meta, path = line.split("\t", 1)
+            if Path(path).suffix in (".py", ".c") and "__pycache__" not in path:
+                files.append((path, meta.split()[2]))
+        h = hashlib.sha256()
+        blobs = subprocess.run(["git", "cat-file", "--batch"], cwd=ROOT, capture_output=True,
+                               input="".join(f"{sha}\n" for _, sha in sorted(files)).encode()).stdout
+        pos = 0
+        for path, sha in sorted(files):
+            header_end = blobs.index(b"\n", pos)
+            size = int(blobs[pos:header_end].split()[2])
+            data = blobs[header_end + 1: header_end + 1 + size]
+            pos = header_end + 1 + size + 1
+            h.update(path.encode())
+            h.update(b"\0")
+            h.update(data)
+            h.update(b"\0")
+        _COMMIT_LIBRARY[commit] = h.hexdigest()[:16]
+    return _COMMIT_LIBRARY[commit]
+
+
+def commit_check(record: dict[str, Any]) -> str:
+    """Whether the commit a record names holds the library it ran: ``ok``, ``dirty`` (it ran on uncommitted
+    changes of that commit), ``unknown commit`` (no such commit here: typed by hand), ``library differs`` (the
+    commit's library is not the record's), or ``no commit``."""
+    commit = record.get("commit")
+    if not commit:
+        return "no commit"
+    lib = commit_library_hash(commit)
+    if lib is None:
+        return "unknown commit"
+    if lib == record.get("library_hash"):
+        return "ok"
+    return "dirty" if record.get("dirty") else "library differs"

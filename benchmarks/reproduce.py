@@ -431,6 +431,7 @@ def write_report(benchmark: str, scenario: str, records: dict[str, list[dict]], 
     lines += ["| method | final avg acc (%) | seeds | scenario | memory | wall / run (s) | CPU / run (s) | forgetting (%) | published | ours − published | current | test evals | library | commits |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     earlier: dict[str, list[dict]] = {}
+    fixed = False
     order = {m: i for i, m in enumerate(METHOD_ORDER)}
     methods = sorted([*records, *kept], key=lambda m: (order.get(m, len(order)), m))
     for method in methods:
@@ -449,7 +450,9 @@ def write_report(benchmark: str, scenario: str, records: dict[str, list[dict]], 
         diff = _verdict(m, s, ref[0]) if ref else "-"
         seeds = ",".join(str(r["seed"]) for r in recs)
         libs = ", ".join(sorted({(r.get("library_hash") or "?")[:8] for r in recs}))
-        commits = ", ".join(sorted({(r.get("commit") or "?")[:8] + ("+dirty" if r.get("dirty") else "") for r in recs}))
+        commits = ", ".join(sorted({(r.get("commit") or "?")[:8] + ("+dirty" if r.get("dirty") else "")
+                                    + ("†" if r.get("commit_fixed") else "") for r in recs}))
+        fixed = fixed or any(r.get("commit_fixed") for r in recs)
         stale = [r["seed"] for r in recs if not run_records.currency(r, rel, runs_dir)[0]]
         current = "yes" if not stale else f"**stale** ({len(stale)}/{len(recs)})"
         earlier[method] = [] if validation else ledger.evaluations(folder, method, runs_dir)
@@ -469,6 +472,10 @@ def write_report(benchmark: str, scenario: str, records: dict[str, list[dict]], 
                   f"{min(loads):.1f}–{max(loads):.1f}, our runs at nice 10), so wall time is inflated by other users' jobs; CPU / run is "
                   "the process's own CPU time (all its threads), the better measure of cost here. Std over seeds is the sample "
                   "std (0 with one seed)."]
+    if fixed:
+        lines += ["", "† the record named a commit that does not hold the library it ran (a commit typed by hand, or a "
+                  "run on uncommitted changes); the commit shown is the one that does, the claimed one is kept in the "
+                  "record's `commit_fixed` (`python benchmarks/ledger.py --fix-commits`)."]
     if any(earlier.values()):
         lines += ["", "Earlier test evaluations of these rows (generated from the superseded records and "
                   "`benchmarks/records/unrecorded_evaluations.json`; `benchmarks/ledger.py`), oldest first; "

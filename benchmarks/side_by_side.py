@@ -61,18 +61,19 @@ def rows(records_dir: Path) -> dict[tuple[str, str], list[Path]]:
     return {k: sorted(v, key=lambda p: int(p.stem.rpartition("_seed")[2])) for k, v in out.items()}
 
 
-def probe(record_path: Path, root: Path, out: Path, kernel: str = "", extra: list[str] | None = None) -> dict:
-    """Run ``probe.py`` on ``record_path``'s config with the library under ``root`` in a fresh process."""
+def probe(record_paths: list[Path], root: Path, out: Path, kernel: str = "", extra: list[str] | None = None) -> list[dict]:
+    """Run ``probe.py`` on the records' configs, one after the other, with the library under ``root`` in one fresh
+    process (``kernel``: its ``ATEN_CPU_CAPABILITY``, "" for the machine's default)."""
     env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
     env.pop("ATEN_CPU_CAPABILITY", None)
     if kernel:
         env["ATEN_CPU_CAPABILITY"] = kernel
-    cmd = [sys.executable, str(HERE / "probe.py"), "--record", str(record_path), "--root", str(root), "--out", str(out),
-           *(extra or [])]
+    cmd = [sys.executable, str(HERE / "probe.py"), "--record", *map(str, record_paths), "--root", str(root),
+           "--out", str(out), *(extra or [])]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or ["?"])[-1]
-        raise RuntimeError(f"probe of {record_path.name} on {root} failed: {tail}")
+        raise RuntimeError(f"probe of {', '.join(p.name for p in record_paths)} on {root} failed: {tail}")
     return json.loads(out.read_text())
 
 
@@ -95,23 +96,31 @@ def record_commit(record: dict[str, Any]) -> str | None:
     return record.get("commit") if record.get("dirty") is False else None
 
 
-def compare(record_path: Path, old_root: Path, new_root: Path, changed: list[str],
-            kernels: tuple[str, ...] = KERNEL_PATHS, extra: list[str] | None = None) -> dict[str, Any]:
-    """Probe ``record_path``'s config on both libraries under each kernel path; the verdict and its evidence."""
+def compare(items: list[tuple[Path, list[str]]], old_root: Path, new_root: Path,
+            kernels: tuple[str, ...] = KERNEL_PATHS, extra: list[str] | None = None) -> list[dict[str, Any]]:
+    """Probe each (record, its changed entries) on both libraries under each kernel path — one process per library
+    and kernel path for all of them — and give each its verdict and evidence."""
+    paths = [p for p, _ in items]
+    pairs: list[list[dict]] = [[] for _ in items]
     with tempfile.TemporaryDirectory() as tmp:
-        pairs = []
         for kernel in kernels:
-            old = probe(record_path, old_root, Path(tmp) / f"old{kernel}.json", kernel, extra)
-            new = probe(record_path, new_root, Path(tmp) / f"new{kernel}.json", kernel, extra)
-            same = old["acc_matrix"] == new["acc_matrix"] and old["train_loss"] == new["train_loss"]
-            pairs.append({"kernel": kernel or "machine default", "equal": same,
-                          "train_loss_old": old["train_loss"], "train_loss_new": new["train_loss"]})
-    unreached = sorted(set(changed) - set(new["fingerprint"]))
-    ok = all(p["equal"] for p in pairs) and not unreached
-    reason = ("" if ok else "probe numbers differ" if not all(p["equal"] for p in pairs)
-              else "the probe does not execute " + ", ".join(unreached))
-    return {"equivalent": ok, "reason": reason, "pairs": pairs, "unreached": unreached,
-            "probe_fingerprint": new["fingerprint"]}
+            old = probe(paths, old_root, Path(tmp) / f"old{kernel}.json", kernel, extra)
+            new = probe(paths, new_root, Path(tmp) / f"new{kernel}.json", kernel, extra)
+            for i, (o, n) in enumerate(zip(old, new)):
+                same = o["acc_matrix"] == n["acc_matrix"] and o["train_loss"] == n["train_loss"]
+                pairs[i].append({"kernel": kernel or "machine default", "equal": same, "fingerprint": n["fingerprint"],
+                                 "train_loss_old": o["train_loss"], "train_loss_new": n["train_loss"]})
+    out = []
+    for (_, changed), ps in zip(items, pairs):
+        reached = set().union(*(p.pop("fingerprint") for p in ps))
+        fp = {e: h for e, h in fingerprint.source_hashes(reached, new_root).items()}
+        unreached = sorted(set(changed) - reached)
+        equal = all(p["equal"] for p in ps)
+        reason = "" if equal and not unreached else (
+            "probe numbers differ" if not equal else "the probe does not execute " + ", ".join(unreached))
+        out.append({"equivalent": equal and not unreached, "reason": reason, "pairs": ps, "unreached": unreached,
+                    "probe_fingerprint": fp})
+    return out
 
 
 def declare(records_dir: Path, folder: str, method: str, paths: list[Path], record: dict[str, Any], changed: list[str],
@@ -138,33 +147,50 @@ def declare(records_dir: Path, folder: str, method: str, paths: list[Path], reco
         path.write_text(json.dumps(rec, indent=2))
 
 
-def check_row(records_dir: Path, folder: str, method: str, paths: list[Path], worktrees: Path,
-              new_root: Path = ROOT, old_root: Path | None = None, write: bool = True,
-              extra: list[str] | None = None) -> str:
-    """Probe one stale row side by side and declare it if equal; returns a one-line verdict."""
+def stale_row(records_dir: Path, folder: str, method: str, paths: list[Path], worktrees: Path,
+              new_root: Path = ROOT, old_root: Path | None = None) -> tuple[str, dict | None, list[str], Path | None]:
+    """(verdict so far, the row's first record, its changed entries, the old library to compare with); the
+    verdict is "" when the row needs a side-by-side probe."""
     record = json.loads(paths[0].read_text())
     if record.get("fingerprint") is None:
-        return "no fingerprint (run --backfill, or rerun the row)"
+        return "no fingerprint (run --backfill, or rerun the row)", None, [], None
     if run_records.config_changes(record, new_root):
-        return "config changed: rerun the row"
+        return "config changed: rerun the row", None, [], None
     eq = run_records.equivalent_code(folder, method, records_dir, new_root)
     changed = fingerprint.changed_entries(record["fingerprint"], new_root, eq)
     if not changed:
-        return "current"
+        return "current", None, [], None
     if old_root is None:
         commit = record_commit(record)
         if commit is None:
-            return "stale: the record names no clean commit to compare with; rerun the row"
+            return "stale: the record names no clean commit to compare with; rerun the row", None, [], None
         old_root = worktree(commit, worktrees)
     old_hashes = fingerprint.source_hashes(set(changed), old_root)
     if any(old_hashes[e] != record["fingerprint"][e] for e in changed):
-        return "stale: the library at the record's commit is not the one its fingerprint names; rerun the row"
-    verdict = compare(paths[0], old_root, new_root, changed, extra=extra)
+        return ("stale: the library at the record's commit is not the one its fingerprint names; rerun the row",
+                None, [], None)
+    return "", record, changed, old_root
+
+
+def settle(records_dir: Path, folder: str, method: str, paths: list[Path], record: dict, changed: list[str],
+           verdict: dict[str, Any], new_root: Path, write: bool = True) -> str:
+    """Declare an equal row (``write``) and say what happened, in one line."""
     if not verdict["equivalent"]:
         return f"stale ({verdict['reason']}): rerun the row"
     if write:
         declare(records_dir, folder, method, paths, record, changed, verdict, new_root)
     return f"carried over: {len(changed)} changed entries equal under {len(verdict['pairs'])} kernel paths"
+
+
+def check_row(records_dir: Path, folder: str, method: str, paths: list[Path], worktrees: Path,
+              new_root: Path = ROOT, old_root: Path | None = None, write: bool = True,
+              extra: list[str] | None = None) -> str:
+    """Probe one stale row side by side and declare it if equal; returns a one-line verdict."""
+    said, record, changed, old = stale_row(records_dir, folder, method, paths, worktrees, new_root, old_root)
+    if said:
+        return said
+    verdict = compare([(paths[0], changed)], old, new_root, extra=extra)[0]
+    return settle(records_dir, folder, method, paths, record, changed, verdict, new_root, write)
 
 
 def backfill(records_dir: Path, commit: str, worktrees: Path, extra: list[str] | None = None) -> None:
@@ -183,7 +209,7 @@ def backfill(records_dir: Path, commit: str, worktrees: Path, extra: list[str] |
             continue
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                got = probe(todo[0], old_root, Path(tmp) / "p.json", "", extra)
+                got = probe([todo[0]], old_root, Path(tmp) / "p.json", "", extra)[0]
             except RuntimeError as err:
                 print(f"{folder} {method}: {err}")
                 continue
@@ -209,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.backfill:
         backfill(records_dir, args.backfill, Path(args.worktrees))
         return 0
-    bad = 0
+    bad, todo = 0, {}
     for (folder, method), paths in rows(records_dir).items():
         if args.only is not None and folder not in args.only and f"{folder}/{method}" not in args.only:
             continue
@@ -219,9 +245,18 @@ def main(argv: list[str] | None = None) -> int:
             why = next((w for ok, w in states if not ok), "")
             print(f"{folder} {method}: {len(paths)} records, " + (f"stale seeds {stale} ({why})" if stale else "current"))
             continue
-        verdict = check_row(records_dir, folder, method, paths, Path(args.worktrees))
-        bad += verdict.startswith("stale") or verdict.startswith("config") or verdict.startswith("no finger")
-        print(f"{folder} {method}: {verdict}", flush=True)
+        said, record, changed, old = stale_row(records_dir, folder, method, paths, Path(args.worktrees))
+        if said:
+            bad += said != "current"
+            print(f"{folder} {method}: {said}", flush=True)
+        else:
+            todo.setdefault(old, []).append((folder, method, paths, record, changed))
+    for old, group in todo.items():  # one probe process per library and kernel path for all rows of that library
+        verdicts = compare([(paths[0], changed) for _, _, paths, _, changed in group], old, ROOT)
+        for (folder, method, paths, record, changed), verdict in zip(group, verdicts):
+            said = settle(records_dir, folder, method, paths, record, changed, verdict, ROOT)
+            bad += said.startswith("stale")
+            print(f"{folder} {method}: {said}", flush=True)
     return 1 if bad else 0
 
 

@@ -20,6 +20,7 @@ does not redraw the curves figure.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import tempfile
@@ -70,17 +71,27 @@ def main(argv: list[str] | None = None) -> int:
     if not found and not any(records_dir.glob("split_digits/*/table*/*_seed*.json")):
         print(f"tables: no records under {records_dir}")
         return 0
-    if args.status:
-        current = run_records.library_hash()
+    if args.status:  # every row of every table: current, or why not (records.currency)
         for benchmark, scenario, quick, validation in found:
             recs = reproduce.collect_records(records_dir, benchmark, scenario, quick, validation)
+            folder = reproduce._runs_folder(records_dir, benchmark, scenario, quick, validation)
+            rel = folder.relative_to(records_dir).as_posix()
             for method, rs in recs.items():
-                folder = reproduce._runs_folder(records_dir, benchmark, scenario, quick, validation)
-                stale = [r["seed"] for r in rs if not run_records.is_current(
-                    r, current, folder.relative_to(records_dir).as_posix(), records_dir)]
-                state = f"stale seeds {stale}" if stale else "current"
-                print(f"{benchmark}/{scenario}/{'quick' if quick else 'full'}{validation or ''} {method}: "
-                      f"{len(rs)} records, {state}")
+                states = [run_records.currency(r, rel, records_dir) for r in rs]
+                stale = [r["seed"] for r, (ok, _) in zip(rs, states) if not ok]
+                why = next((w for ok, w in states if not ok), "")
+                state = f"stale seeds {stale}: {why}" if stale else "current"
+                print(f"{rel} {method}: {len(rs)} records, {state}")
+        for folder in sorted(f for f in records_dir.glob("split_digits/*/table*") if f.is_dir()):
+            rel = folder.relative_to(records_dir).as_posix()
+            labels = sorted({p.stem.rpartition("_seed")[0] for p in folder.glob("*_seed*.json")})
+            for label in labels:
+                rs = [json.loads(p.read_text()) for p in sorted(folder.glob(f"{label}_seed*.json"))
+                      if p.stem.rpartition("_seed")[0] == label]
+                states = [run_records.currency(r, rel, records_dir) for r in rs]
+                stale = [r["seed"] for r, (ok, _) in zip(rs, states) if not ok]
+                why = next((w for ok, w in states if not ok), "")
+                print(f"{rel} {label}: {len(rs)} records, " + (f"stale seeds {stale}: {why}" if stale else "current"))
         return 0
     digits = sorted({float(f.name.partition("_validation")[2] or 0.0)
                      for f in records_dir.glob("split_digits/*/table*") if any(f.glob("*_seed*.json"))})
