@@ -7,8 +7,9 @@ run folder through :mod:`continual_blr.saved_run`; bad input is one line on stde
   examples report (``docs/inspect.md``). Given a YAML config, the run is the config's ``out`` (or
   ``runs/latest`` when it names none) and must have been written by that config.
 * ``predict RUN --inputs FILE.npy [--method M] [--head H] [--out preds.csv] [--device D]``: the
-  method's predictive on new inputs, one CSV row per input (``index, pred, p_0 … p_{K-1}``; a
-  regression run writes ``index, mean_0 … mean_{K-1}``).
+  method's predictive on new inputs, one CSV row per input (``index, pred, p_0 … p_{K-1}``; a task-incremental
+  run, whose outputs are head-local, writes ``index, label, head, head_output, p_0 … p_{K-1}`` with ``label`` the
+  global class; a regression run writes ``index, mean_0 … mean_{K-1}``).
 """
 
 from __future__ import annotations
@@ -123,8 +124,13 @@ def _cmd_predict(args: argparse.Namespace) -> int:
         if run.stream.likelihood == "classification":
             proba = run.predict_proba(x.astype(np.float32), head=args.head).cpu()
             pred = proba.argmax(dim=-1)
+            probs = [[f"{float(v):.6g}" for v in row] for row in proba]
             header = ["index", "pred"] + [f"p_{k}" for k in range(proba.shape[1])]
-            rows = [[i, int(pred[i])] + [f"{float(v):.6g}" for v in proba[i]] for i in range(proba.shape[0])]
+            rows = [[i, int(pred[i])] + probs[i] for i in range(proba.shape[0])]
+            if run.stream.scenario == "task":  # head-local outputs: say the global class and the head
+                classes, head = run.head_classes(args.head), run._head(args.head)
+                header = ["index", "label", "head", "head_output"] + header[2:]
+                rows = [[i, classes[int(pred[i])], head, int(pred[i])] + probs[i] for i in range(proba.shape[0])]
         else:
             mean = run.predict(x.astype(np.float32), head=args.head).cpu()
             header = ["index"] + [f"mean_{k}" for k in range(mean.shape[1])]

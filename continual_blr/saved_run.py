@@ -3,7 +3,8 @@
     import continual_blr
     run = continual_blr.load_run("runs/latest", method="fromp", data=True)  # model, method, config, results, data
     proba = run.predict_proba(x_new, head=0)                        # [N, K] class probabilities
-    labels = run.predict(x_new, head=0)                             # [N] class indices
+    labels = run.predict_label(x_new, head=0)                       # [N] global class labels
+    outputs = run.predict(x_new, head=0)                            # [N] output indices on the head
 
 Nothing is retrained. The stream is the description the run stored in ``results.json`` (input shape,
 heads, classes, likelihood; no examples, so no dataset is needed), or with ``data=True`` rebuilt from the
@@ -121,12 +122,43 @@ class LoadedRun(SavedRun):
 
     @torch.no_grad()
     def predict(self, x: Tensor | np.ndarray, head: int | None = None) -> Tensor:
-        """Predicted class indices [N] (argmax of :meth:`predict_proba`); for a regression run the
-        predictive mean [N, K]. Arguments as :meth:`predict_proba`."""
+        """Predicted output indices [N] on head ``head`` (argmax of :meth:`predict_proba`); for a regression run
+        the predictive mean [N, K]. Arguments as :meth:`predict_proba`.
+
+        In a task-incremental run these are head-local (split digits' task 1 gives 0 / 1 for digits 2 / 3), as the
+        stream's ``y_test`` are; :meth:`predict_label` gives the global class labels. In class- and domain-incremental
+        runs the two are the same."""
         if self.stream.likelihood != "classification":
             self.model.eval()
             return self.method.predict_mean(self.model, self._inputs(x), self._head(head))
         return self.predict_proba(x, head).argmax(dim=-1)
+
+    def head_classes(self, head: int | None = None) -> list[int]:
+        """The global class label of each output of head ``head`` ([n_outputs]; -1 for an output no class uses).
+
+        Task-incremental: output ``j`` of head ``h`` is ``classes[j]`` of the task on that head (split digits' head 1:
+        ``[2, 3]``). Class- and domain-incremental runs have one head whose output ``j`` is label ``j``.
+        """
+        h = self._head(head)
+        n = int(self.stream.n_outputs)
+        if self.stream.scenario != "task":
+            return list(range(n))
+        task = next((t for t in self.stream.tasks if int(t.head) == h), None)
+        classes = [int(c) for c in task.classes] if task is not None else []
+        return [classes[j] if j < len(classes) else -1 for j in range(n)]
+
+    @torch.no_grad()
+    def predict_label(self, x: Tensor | np.ndarray, head: int | None = None) -> Tensor:
+        """Predicted global class labels [N]: :meth:`predict`'s output indices mapped through
+        :meth:`head_classes` (the same as :meth:`predict` outside the task-incremental scenario).
+
+        Raises:
+            ValueError: a regression run (no labels), or as :meth:`predict_proba`.
+        """
+        if self.stream.likelihood != "classification":
+            raise ValueError("predict_label: the run is a regression; use predict (the predictive mean)")
+        out = self.predict(x, head)
+        return torch.tensor(self.head_classes(head), dtype=torch.int64, device=out.device)[out]
 
 
 def _run_folder(path: str | Path) -> tuple[Path, str | None]:

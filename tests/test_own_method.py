@@ -53,7 +53,7 @@ def test_a_module_of_your_own_runs_resumes_and_predicts(tmp_path):
     r = _cli("predict", str(tmp_path / "run"), "--inputs", str(tmp_path / "x.npy"), "--method", "l2-decay",
              "--head", "1", cwd=elsewhere)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.splitlines()[0] == "index,pred,p_0,p_1" and len(r.stdout.splitlines()) == 4
+    assert r.stdout.splitlines()[0] == "index,label,head,head_output,p_0,p_1" and len(r.stdout.splitlines()) == 4
     # without the import the name is unknown: one line naming it
     (user / "d.yaml").write_text(TINY + "methods: [l2-decay]\n")
     r = _cli("run", str(user / "d.yaml"), "--out", str(tmp_path / "run2"), cwd=elsewhere)

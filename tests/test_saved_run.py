@@ -120,7 +120,8 @@ def test_cli_predict_writes_the_methods_predictions(run_dir, tmp_path, capsys):
     assert rc == 0
     rows = _csv_rows(out.read_text())
     want = run.predict_proba(task.x_test[:7], head=3)
-    assert [int(r["pred"]) for r in rows] == want.argmax(-1).tolist()
+    assert [int(r["head_output"]) for r in rows] == want.argmax(-1).tolist()  # task-incremental: head-local
+    assert [int(r["label"]) for r in rows] == [(6, 7)[j] for j in want.argmax(-1).tolist()]  # task 3: digits 6, 7
     np.testing.assert_allclose([[float(r["p_0"]), float(r["p_1"])] for r in rows], want.numpy(), rtol=1e-5)
     capsys.readouterr()
     assert main(["predict", str(run_dir), "--inputs", str(tmp_path / "x.npy"), "--head", "3"]) == 0
