@@ -112,7 +112,8 @@ _RESUME_KEEPS = ("device", "data_dir", "threads", "no_progress", "tensorboard")
 _RESUME_REFUSES = {"config": "CONFIG", "method": "--method", "seed": "--seed", "seeds": "--seeds", "out": "--out",
                    "epochs": "--epochs", "validation": "--validation", "quick": "--quick", "overwrite": "--overwrite",
                    "scenario": "--scenario",
-                   "imports": "--import", "precision": "--precision", "channels_last": "--channels-last"}
+                   "imports": "--import", "precision": "--precision", "channels_last": "--channels-last",
+                   "sets": "--set"}
 
 
 def _import_path(name: object, base: Path) -> object:
@@ -160,7 +161,8 @@ def _cmd_methods(args: argparse.Namespace) -> int:
     for klass in reversed(params_cls.__mro__):  # inherited fields keep their base class's description
         field_docs |= _attribute_docs(klass.__doc__ or "") if dataclasses.is_dataclass(klass) else {}
     hints = typing.get_type_hints(params_cls)
-    print(f"parameters ({params_cls.__name__}; give them under params: in a config):")
+    print(f"parameters ({params_cls.__name__}; give them under params: in a config, or as "
+          f"--set {args.name}.PARAM=VALUE):")
     for f in dataclasses.fields(params_cls):
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")
@@ -195,13 +197,97 @@ def _attribute_docs(doc: str) -> dict[str, str]:
     return {k: v.split(". ")[0].rstrip(".") + "." if v else "" for k, v in out.items()}
 
 
+_SET_EXAMPLE = "e.g. --set fromp.tau=1 or --set train.epochs=2"
+
+
+def _parse_sets(items: list[str] | None) -> list[tuple[str, list[str], Any]] | str:
+    """``--set KEY=VALUE`` items as ``(item, dotted key split, value parsed as YAML)``, or a string error."""
+    from .config import yaml_load
+
+    out = []
+    for item in items or []:
+        key, eq, text = item.partition("=")
+        parts = key.strip().split(".")
+        if not eq or not all(parts):
+            return f"--set: got {item!r}; allowed: KEY=VALUE with KEY a config key or METHOD.PARAM ({_SET_EXAMPLE})"
+        try:
+            value = yaml_load(text) if text.strip() else None
+        except Exception:  # yaml.YAMLError, kept lazy
+            return f"--set {key}: value {text!r} is not a YAML value (a number, true/false, a string, [a, b])"
+        out.append((item, parts, value))
+    return out
+
+
+def _set_config_keys(data: dict[str, Any], sets, config_keys: list[str]) -> str | None:
+    """Apply the ``--set`` items whose first key is a config key (``train.epochs``, ``seed``,
+    ``stream.options.n_tasks``) to the parsed YAML ``data``, which :func:`from_dict` then checks as a file's."""
+    for item, parts, value in sets:
+        if parts[0] not in config_keys:
+            continue
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            node = node.setdefault(part, {}) if isinstance(node, dict) else None
+            if not isinstance(node, dict):
+                return f"--set {item}: {'.'.join(parts[:i + 1])} is not a mapping, so it has no key {parts[i + 1]!r}"
+        node[parts[-1]] = value
+    return None
+
+
+def _set_method_params(cfg, sets, config_keys: list[str]) -> str | None:
+    """Apply the ``--set`` items ``METHOD.PARAM=V`` (``METHOD.train.KEY=V`` for a method's train settings; a
+    bare ``PARAM=V`` when the run has one method) to ``cfg.methods``, and check each method's params."""
+    from .methods import build_method
+
+    names = [m.name for m in cfg.methods]
+    touched = []
+    for item, parts, value in sets:
+        if parts[0] in config_keys:
+            continue
+        if len(parts) == 1 and len(cfg.methods) == 1:
+            parts = [names[0]] + parts
+        key = ".".join(parts)  # a label may hold a dot (fromp#tau0.1): the longest method name that starts it
+        owner = max((n for n in names if key.startswith(n + ".")), key=len, default=None)
+        if owner is not None:
+            parts = [owner] + key[len(owner) + 1:].split(".")
+        if parts[0] not in names:
+            what = (f"unknown key {parts[0]!r}" if len(parts) == 1 else f"{parts[0]!r} is neither a config key nor "
+                    "a method of this run")
+            return (f"--set {item}: {what}; allowed: a config key ({', '.join(config_keys)}) or METHOD.PARAM with "
+                    f"METHOD one of this run's methods ({', '.join(names)})")
+        mc = cfg.methods[names.index(parts[0])]
+        if len(parts) == 3 and parts[1] == "train":
+            mc.train[parts[2]] = value
+        elif len(parts) == 2:
+            mc.params[parts[1]] = value
+        else:
+            return (f"--set {item}: allowed: {parts[0]}.PARAM=VALUE or {parts[0]}.train.KEY=VALUE "
+                    f"(parameters: continual-blr methods {parts[0].partition('#')[0]})")
+        touched.append((item, mc))
+    for item, mc in touched:
+        try:
+            build_method(mc.name, mc.params, seed=cfg.seed)
+        except (ValueError, TypeError) as err:
+            msg = str(err).splitlines()[0].removeprefix(f"method {mc.name!r}: ")
+            return f"--set {item}: {mc.name}: {msg}"
+    return None
+
+
 def _build_config(args: argparse.Namespace):
     """The RunConfig of ``args`` (config file + flags), or a string error for :func:`_fail`."""
     from .config import MethodConfig, RunConfig, check_seed, from_dict, label_methods
     from .data.stream import SCENARIOS
     from .methods import METHODS, registry_name
 
+    import dataclasses
+
     data = _read_yaml(args.config) if args.config else {}
+    sets = _parse_sets(args.sets)
+    if isinstance(sets, str):
+        return sets
+    config_keys = [f.name for f in dataclasses.fields(RunConfig)]
+    bad = _set_config_keys(data, sets, config_keys)
+    if bad:
+        return bad
     base = Path(args.config).resolve().parent if args.config else Path.cwd()
     imports = data.get("imports") or []
     if not isinstance(imports, list):
@@ -224,6 +310,9 @@ def _build_config(args: argparse.Namespace):
                 return f"config {args.config}: no '{key}:' key; give one (e.g. {example}{alt})"
     if args.seed is not None:
         cfg.seed = check_seed(args.seed)
+    bad = _set_method_params(cfg, sets, config_keys)
+    if bad:
+        return bad
     if args.out is not None:
         cfg.out = args.out
     if args.scenario is not None:
@@ -462,6 +551,11 @@ def build_parser() -> argparse.ArgumentParser:
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     run.add_argument("config", nargs="?", help="YAML config (default: the embedded split-digits run)")
     run.add_argument("--method", action="append", help="method name (repeatable); overrides the config's methods")
+    run.add_argument("--set", dest="sets", action="append", metavar="KEY=VALUE",
+                     help="set a method parameter (METHOD.PARAM=VALUE, e.g. fromp.tau=1; METHOD.train.KEY=VALUE; "
+                          "a bare PARAM=VALUE when the run has one method) or a config key (train.epochs=2, "
+                          "stream.options.n_tasks=3); VALUE is read as YAML, checked as in a config file and "
+                          "recorded with the run (repeatable)")
     run.add_argument("--seed", type=int, help="random seed (an integer >= 0)")
     run.add_argument("--seeds", type=int, nargs="+", metavar="S",
                      help="run each seed into OUT/seed-<s>/ and print mean ± std per method (OUT/summary.md)")
