@@ -6,7 +6,7 @@ run folder through :mod:`continual_blr.saved_run`; bad input is one line on stde
 * ``inspect RUN_OR_CONFIG [--method M] [--task T] [--top K] [--out DIR] [--device D] [--threads N]``: the memorable
   examples report (``docs/inspect.md``). Given a YAML config, the run is the config's ``out`` (or
   ``runs/latest`` when it names none) and must have been written by that config.
-* ``predict RUN --inputs FILE.npy [--method M] [--head H] [--out preds.csv] [--device D]``: the
+* ``predict RUN --inputs FILE.npy [--method M] [--head H] [--out preds.csv] [--device D] [--import MODULE]``: the
   method's predictive on new inputs, one CSV row per input (``index, pred, p_0 … p_{K-1}``; a task-incremental
   run, whose outputs are head-local, writes ``index, label, head, head_output, p_0 … p_{K-1}`` with ``label`` the
   global class; a regression run writes ``index, mean_0 … mean_{K-1}``).
@@ -70,7 +70,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             check_writable(args.out, "--out")
         with _threads(args.threads):
             index, insp = inspect_path(path, out=args.out, method=args.method, tasks=tasks, top=args.top,
-                                       device=args.device, progress=not args.no_progress)
+                                       device=args.device, progress=not args.no_progress, imports=args.imports)
     except FileNotFoundError as err:
         return _fail(_first_line(err))
     except _ERRORS as err:
@@ -116,7 +116,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     try:
         if args.out:
             check_writable(args.out, "--out", folder=False)
-        run = load_run(args.run, args.method, device=args.device)
+        run = load_run(args.run, args.method, device=args.device, imports=args.imports)
         lo, hi = (run.stream.meta or {}).get("input_range") or (None, None)  # stored by runs since 2026-11-25
         if hi is not None and hi <= 1.0 and float(x.max()) > 1.5:
             return _fail(f"--inputs: values up to {float(x.max()):g}, but the run was trained on inputs in "
@@ -170,6 +170,9 @@ def add_saved_run_parsers(sub) -> None:
     ins.add_argument("--no-progress", action="store_true", help="no progress bar")
     ins.add_argument("--threads", type=int, metavar="N", help="torch threads (default: torch's; 1 is often faster on "
                                                               "a shared machine)")
+    ins.add_argument("--import", dest="imports", action="append", metavar="MODULE",
+                     help="a module (name or .py path) that registers the run's own methods, in place of the one "
+                          "the run recorded (e.g. after moving it; repeatable); built-in methods need none")
     ins.set_defaults(func=_cmd_inspect)
 
     pred = sub.add_parser("predict", help="predict on new inputs with a saved run's model and method")
@@ -179,4 +182,7 @@ def add_saved_run_parsers(sub) -> None:
     pred.add_argument("--head", type=int, help="output head, 0-based (required when the network has one head per task)")
     pred.add_argument("--out", help="CSV file to write (default: print the CSV to stdout)")
     pred.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    pred.add_argument("--import", dest="imports", action="append", metavar="MODULE",
+                      help="a module (name or .py path) that registers the run's own methods, in place of the one "
+                           "the run recorded (e.g. after moving it; repeatable); built-in methods need none")
     pred.set_defaults(func=_cmd_predict)

@@ -45,7 +45,7 @@ from .config import RunConfig, from_dict
 from .data.registry import DEFAULT_SCENARIOS
 from .data.stream import TaskStream
 from .inspect.saved_run import SavedRun, has_memory_store
-from .methods import METHODS, build_method
+from .methods import METHODS, build_method, registry_name
 from .methods.base import TrainConfig
 from .models import build_model
 from .run_folder import RunFileError, load_torch, load_weights, read_json
@@ -179,10 +179,49 @@ def _run_folder(path: str | Path) -> tuple[Path, str | None]:
 
 
 def _read_payload(folder: Path) -> tuple[dict[str, Any], RunConfig]:
+    """``results.json`` and its config, the config's ``imports`` recorded but not imported (:func:`load_run`
+    imports them; a built-in method does not need them)."""
     payload = read_json(folder / RESULTS)
     if not isinstance(payload, dict) or "config" not in payload:
         raise RunFileError(f"{folder / RESULTS}: holds no run config; expected the results.json continual-blr writes")
-    return payload, from_dict(RunConfig, payload["config"])
+    raw = dict(payload["config"]) if isinstance(payload["config"], dict) else payload["config"]
+    imports = raw.pop("imports", None) if isinstance(raw, dict) else None
+    config = from_dict(RunConfig, raw)
+    config.imports = list(imports) if isinstance(imports, list) else []
+    return payload, config
+
+
+def _import_modules(config: RunConfig, imports: Sequence[str] | None) -> str | None:
+    """Import the modules that register the run's own methods: ``imports`` when given (they replace the run's;
+    relative paths and module names against the working directory), else the run's recorded ``imports``.
+
+    Returns:
+        None, or the one-line reason a *recorded* module did not import (the run or the module moved): only a
+        method that is not registered without it needs it (:func:`_check_imported`).
+
+    Raises:
+        ValueError: a module of ``imports`` does not import (one line naming it).
+    """
+    from .methods.plugins import import_modules
+
+    if imports is not None:
+        import_modules([str(m) for m in imports], base=Path.cwd())
+        config.imports = [str(m) for m in imports]
+        return None
+    try:
+        import_modules(config.imports)
+    except ValueError as err:
+        return str(err).splitlines()[0]
+    return None
+
+
+def _check_imported(name: str, failure: str | None) -> None:
+    """Raise when method ``name`` is not registered and a recorded module failed to import (``failure``)."""
+    from .methods import available_methods
+
+    if failure is not None and registry_name(name) not in available_methods():
+        raise ValueError(f"{failure}; the run's method {name!r} is registered there: pass the module's current "
+                         "place with --import PATH (load_run(..., imports=[PATH]))")
 
 
 def saved_methods(path: str | Path) -> list[str]:
@@ -202,13 +241,14 @@ def _default_method(folder: Path, config: RunConfig, prefer_memory: bool) -> str
                                f"the run holds {', '.join(m.name for m in config.methods)}")
     if prefer_memory:
         for mc in saved:
-            if mc.name in METHODS and has_memory_store(build_method(mc.name, mc.params, seed=config.seed)):
+            if registry_name(mc.name) in METHODS and has_memory_store(
+                    build_method(mc.name, mc.params, seed=config.seed)):
                 return mc.name
     return saved[0].name
 
 
 def load_run(path: str | Path, method: str | None = None, *, device: str = "cpu",
-             prefer_memory: bool = False, data: bool = False) -> LoadedRun:
+             prefer_memory: bool = False, data: bool = False, imports: Sequence[str] | None = None) -> LoadedRun:
     """Reload a run folder (or one of its ``<method>/`` subfolders) without retraining.
 
     Args:
@@ -223,6 +263,9 @@ def load_run(path: str | Path, method: str | None = None, *, device: str = "cpu"
             stored in ``results.json`` — shapes, heads, classes, no examples (``meta["skeleton"]``) — which is
             all prediction needs, on a machine without the dataset. A run written before descriptions were
             stored loads its datasets either way.
+        imports: modules (names or ``.py`` paths) that register the run's own methods, replacing the ones the
+            run recorded (which name the module where it was when the run started). None: the recorded ones; a
+            recorded module that no longer imports is needed only when the method to load is not built in.
 
     Returns:
         A :class:`LoadedRun`: ``model``, ``method``, ``config``, ``result`` (this method's results),
@@ -234,11 +277,13 @@ def load_run(path: str | Path, method: str | None = None, *, device: str = "cpu"
     """
     folder, sub = _run_folder(path)
     payload, config = _read_payload(folder)
+    failure = _import_modules(config, imports)
     names = [m.name for m in config.methods]
     name = method or sub or _default_method(folder, config, prefer_memory)
     if name not in names:
         raise ValueError(f"--method: the run holds {', '.join(names)}; got {name!r}")
-    if name not in METHODS:
+    _check_imported(name, failure)
+    if registry_name(name) not in METHODS:  # a labelled entry (fromp#2) is its method's
         raise ValueError(f"method: {name!r} is not registered; allowed: {', '.join(sorted(METHODS))}")
     mdir = folder / name
     if not (mdir / "model.pt").is_file() or not (mdir / "method.pt").is_file():
@@ -303,11 +348,11 @@ def check_config_matches(config: RunConfig, path: str | Path, config_name: str =
 def inspect_path(path: str | Path, *, out: str | Path | None = None, method: str | None = None,
                  tasks: Sequence[int] | None = None, top: int | None = None,
                  prior_precision: float | None = None, device: str = "cpu",
-                 progress: bool = False) -> tuple[Path, Any]:
+                 progress: bool = False, imports: Sequence[str] | None = None) -> tuple[Path, Any]:
     """Load a run folder, inspect it and write the report (default folder: ``<run>/inspect``).
 
     The default method is the first one that keeps memorable points (:func:`load_run` with
-    ``prefer_memory``). See :func:`continual_blr.inspect.inspect_run` for the other arguments.
+    ``prefer_memory``; ``imports`` as there). See :func:`continual_blr.inspect.inspect_run` for the other arguments.
 
     Returns:
         ``(index.html path, the Inspection)``.
@@ -317,7 +362,7 @@ def inspect_path(path: str | Path, *, out: str | Path | None = None, method: str
     from .inspect import inspect_run, write_report
 
     t0 = time.perf_counter()
-    run = load_run(path, method, device=device, prefer_memory=True, data=True)
+    run = load_run(path, method, device=device, prefer_memory=True, data=True, imports=imports)
     t_load = time.perf_counter() - t0
     insp = inspect_run(run, tasks=tasks, top=top, prior_precision=prior_precision, progress=progress)
     insp.timings = {"load": t_load, **insp.timings}

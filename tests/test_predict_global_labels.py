@@ -21,8 +21,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("labels")
     out = {}
     for scenario in ("task", "class"):
-        (root / f"{scenario}.yaml").write_text(TINY.replace("{name: synthetic,", f"{{name: synthetic, scenario: {scenario},")
-                                               + "methods: [none]\n")
+        text = TINY.replace("{name: synthetic,", f"{{name: synthetic, scenario: {scenario},")
+        (root / f"{scenario}.yaml").write_text(text + "methods: [none]\n")
         assert main(["run", str(root / f"{scenario}.yaml"), "--out", str(root / scenario)]) == 0
         out[scenario] = root / scenario
     x = load_run(out["task"], data=True).stream.tasks[1].x_test[:9].numpy()
