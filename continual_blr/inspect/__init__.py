@@ -16,7 +16,7 @@ Command line: ``continual-blr inspect RUN_DIR_OR_CONFIG [--method M] [--task T] 
 """
 
 from .report import DEFAULT_TOP, Inspection, inspect_run, write_report
-from .saved_run import SavedRun, has_memory_store, run_covariance, stored_memory
+from .saved_run import SavedRun, has_memory_store, memory_kind, run_covariance, stored_memory
 from .scores import (
     DEFAULT_PRIOR_PRECISION,
     ExampleScores,
@@ -34,6 +34,7 @@ __all__ = [
     "DEFAULT_TOP",
     "SavedRun",
     "has_memory_store",
+    "memory_kind",
     "run_covariance",
     "stored_memory",
     "ExampleScores",

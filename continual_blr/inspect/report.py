@@ -14,7 +14,8 @@ the run stored a memory, with the points it holds. :func:`write_report` draws th
 the CSV and a self-contained HTML page (figures embedded as data URIs, and also written beside it).
 
 "Memorable" in the report: the run's stored memory for a task when there is one (what the network is
-actually regularised to remember), else the top-k by tr Λ at the final weights. For the last task of
+actually regularised to remember, or an ER / DER replay buffer's examples of the task), else the top-k by
+tr Λ at the final weights. For the last task of
 a FROMP run the two coincide exactly (the memory was chosen at the final weights).
 """
 
@@ -35,7 +36,7 @@ from tqdm.auto import tqdm
 from ..data.stream import Task
 from ..memory import select_memorable, select_per_class
 from . import figures
-from .saved_run import SavedRun, run_covariance, stored_memory
+from .saved_run import SavedRun, memory_kind, run_covariance, stored_memory
 from .scores import ExampleScores, score_examples
 
 __all__ = ["Inspection", "inspect_run", "write_report", "DEFAULT_TOP", "MAX_IMAGES"]
@@ -45,6 +46,8 @@ DEFAULT_TOP = 40
 
 MAX_IMAGES = 40
 """Examples drawn per grid (the CSV holds all of them)."""
+
+_STORED_NAME = {"fromp": "stored FROMP memory", "replay": "stored replay buffer"}
 
 
 @dataclass
@@ -57,8 +60,9 @@ class Inspection:
         scores: one :class:`ExampleScores` per inspected task.
         top: memorable points per task (k of the top-k, split over classes as FROMP does).
         sigma_source: where Σ came from (one line).
-        has_memory: whether the run stored memorable points.
+        has_memory: whether the run stored past examples (memorable points or a replay buffer).
         timings: seconds spent per stage.
+        memory_kind: ``"fromp"`` (memorable points), ``"replay"`` (an ER / DER replay buffer) or ``""``.
     """
 
     run: SavedRun
@@ -68,6 +72,7 @@ class Inspection:
     sigma_source: str
     has_memory: bool
     timings: dict[str, float] = field(default_factory=dict)
+    memory_kind: str = ""
 
     def task_label(self, i: int) -> str:
         t = self.tasks[i]
@@ -146,7 +151,8 @@ def inspect_run(
         bar.close()
     t_scores = time.perf_counter()
     return Inspection(run, chosen, out, int(top), source, bool(memory),
-                      {"covariance": t_sigma - t0, "scores": t_scores - t_sigma})
+                      {"covariance": t_sigma - t0, "scores": t_scores - t_sigma},
+                      memory_kind(run.method) if memory else "")
 
 
 # ---------------------------------------------------------------------------------------- CSV
@@ -201,7 +207,8 @@ def _grids(insp: Inspection, i: int, out: Path) -> list[tuple[str, Path]]:
 
     sections = [
         ("most memorable", "most_memorable", rows_of(s.memorable, "relevance", True), "relevance",
-         "stored FROMP memory" if bool(s.stored_memory.any()) else f"top-{insp.top} by tr Λ"),
+         _STORED_NAME.get(insp.memory_kind, "stored memory") if bool(s.stored_memory.any())
+         else f"top-{insp.top} by tr Λ"),
         ("least memorable", "least_memorable", rows_of(s.lowest, "relevance", False), "relevance",
          f"lowest {insp.top} by tr Λ"),
         ("most sensitive", "most_sensitive", s.order("sensitivity", True).tolist()[:min(MAX_IMAGES, insp.top)],
@@ -303,11 +310,19 @@ def _html(insp: Inspection, csv_path: Path, maps: Path, hists: Path, across: Pat
         # one grid per line, drawn at its own pixel size (at most the page's width): captions stay legible
         cells = "".join(f'<div class="grid">{_img(p, f"{insp.task_label(i)}: {title}")}</div>' for title, p in items)
         grid_html.append(f"<h3>{e(insp.task_label(i))}</h3>{cells}")
-    memory_note = ("The run stored a FROMP memory: <b>memorable</b> = the points it holds per task (chosen by "
-                   "<code>continual_blr.memory.select_memorable</code> when each task ended); <b>top-k now</b> = the "
-                   "same function at the final weights." if insp.has_memory else
-                   f"The run stored no memory: <b>memorable</b> = the top-{insp.top} by tr Λ per task at the final "
-                   "weights, from FROMP's own selection function <code>continual_blr.memory.select_memorable</code>.")
+    if insp.memory_kind == "replay":
+        rule = getattr(getattr(run.method, "buffer", None), "selection", "reservoir")
+        memory_note = (f"The run stored a replay buffer ({e(rule)} sampling over the whole stream): <b>memorable</b> "
+                       "= the buffer's examples of each task; <b>top-k now</b> = the top-k by tr Λ at the final "
+                       "weights (FROMP's selection function, for comparison: the buffer is not chosen by it).")
+    elif insp.has_memory:
+        memory_note = ("The run stored a FROMP memory: <b>memorable</b> = the points it holds per task (chosen by "
+                       "<code>continual_blr.memory.select_memorable</code> when each task ended); <b>top-k now</b> "
+                       "= the same function at the final weights.")
+    else:
+        memory_note = (f"The run stored no memory: <b>memorable</b> = the top-{insp.top} by tr Λ per task at the final "
+                       "weights, from FROMP's own selection function "
+                       "<code>continual_blr.memory.select_memorable</code>.")
     stats = run.method.memory_stats() if hasattr(run.method, "memory_stats") else {}
     n_stored = int(stats.get("stored_examples", 0))
     memory_note += (f" What the method stores of past examples: <b>{n_stored}</b> in all, "

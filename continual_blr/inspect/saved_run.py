@@ -25,14 +25,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..data.stream import TaskStream
 from ..methods.base import Method
 from ..posteriors import GaussianPosterior
+from ..replay_buffer import ReplayBuffer
 from .scores import DEFAULT_PRIOR_PRECISION, Covariance, diag_laplace_posterior
 
-__all__ = ["SavedRun", "run_covariance", "stored_memory", "has_memory_store"]
+__all__ = ["SavedRun", "run_covariance", "stored_memory", "has_memory_store", "memory_kind"]
 
 
 @dataclass
@@ -61,8 +63,17 @@ class SavedRun:
 
 
 def has_memory_store(method: Method) -> bool:
-    """Whether ``method`` keeps memorable points (a regulariser with a ``memory`` store: the FROMP family)."""
-    return getattr(getattr(method, "regularizer", None), "memory", None) is not None
+    """Whether ``method`` keeps past examples: memorable points (a regulariser with a ``memory`` store: the FROMP
+    family) or a replay buffer (``er``, ``derpp``: a :class:`~continual_blr.replay_buffer.ReplayBuffer`)."""
+    return (getattr(getattr(method, "regularizer", None), "memory", None) is not None
+            or isinstance(getattr(method, "buffer", None), ReplayBuffer))
+
+
+def memory_kind(method: Method) -> str:
+    """``"fromp"`` (memorable points), ``"replay"`` (a replay buffer) or ``""`` (the method keeps no examples)."""
+    if getattr(getattr(method, "regularizer", None), "memory", None) is not None:
+        return "fromp"
+    return "replay" if isinstance(getattr(method, "buffer", None), ReplayBuffer) else ""
 
 
 def run_covariance(run: SavedRun, prior_precision: float | None = None) -> tuple[Covariance, str]:
@@ -91,15 +102,46 @@ def run_covariance(run: SavedRun, prior_precision: float | None = None) -> tuple
 
 
 def stored_memory(run: SavedRun) -> dict[int, dict[str, Any]]:
-    """The memorable points the run's method stored, by task id: ``{"indices", "selection", "n"}``.
+    """The past examples the run's method stored, by task id: ``{"indices", "selection", "n"}``.
 
-    Empty when the method keeps no memory (only the FROMP family does).
+    The FROMP family: its memorable points (``indices`` into the task's training set, as stored). A replay
+    buffer (``er``, ``derpp``): the buffer's examples of each task, located in the task's training set by
+    their inputs (``selection`` names the buffer's rule, e.g. ``"replay buffer (reservoir)"``; ``n`` counts the
+    buffer's examples of the task, ``indices`` those found among the training inputs). Empty when the method
+    keeps no examples.
     """
     reg = getattr(run.method, "regularizer", None)
     mem = getattr(reg, "memory", None)
     out: dict[int, dict[str, Any]] = {}
     if mem is None:
-        return out
+        buffer = getattr(run.method, "buffer", None)
+        return _buffer_memory(buffer, run.stream) if isinstance(buffer, ReplayBuffer) else out
     for e in mem:
         out[int(e.task_id)] = {"indices": e.indices.cpu().long(), "selection": e.selection, "n": len(e)}
+    return out
+
+
+def _buffer_memory(buffer: ReplayBuffer, stream: TaskStream) -> dict[int, dict[str, Any]]:
+    """A replay buffer's examples per task, as indices into the task's training set (matched by exact input)."""
+    out: dict[int, dict[str, Any]] = {}
+    if buffer.size == 0 or getattr(buffer, "x", None) is None:
+        return out
+    xs = buffer.x[: buffer.size].detach().cpu().contiguous()
+    task_ids = buffer.task_id[: buffer.size].cpu().tolist()
+    tasks = {int(t.task_id): t for t in stream.tasks}
+    for tid in sorted(set(task_ids)):
+        rows = [i for i, t in enumerate(task_ids) if t == tid]
+        task = tasks.get(int(tid))
+        where: dict[bytes, list[int]] = {}
+        if task is not None and task.x_train.numel():
+            train = task.x_train.detach().cpu().to(xs.dtype).reshape(len(task.x_train), -1).contiguous()
+            for j in range(len(train)):
+                where.setdefault(train[j].numpy().tobytes(), []).append(j)
+        found = []
+        for r in rows:
+            hits = where.get(xs[r].reshape(-1).numpy().tobytes())
+            if hits:
+                found.append(hits.pop(0))
+        out[int(tid)] = {"indices": torch.tensor(sorted(found), dtype=torch.long),
+                         "selection": f"replay buffer ({buffer.selection})", "n": len(rows)}
     return out
