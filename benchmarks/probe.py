@@ -30,6 +30,24 @@ HERE = Path(__file__).resolve().parent
 PROBE_TRAIN, PROBE_TEST, PROBE_EPOCHS = 512, 256, 3
 
 
+def run_config_of(record: dict, root: Path, from_dict, run_config_cls):
+    """The run config a record ran: its stored config, or, for a split-digits table record (``split_digits.py``
+    stores only the YAML's stem and the method), the table's shared budget (``configs/split_digits/none.yaml``
+    under ``root``) with the record's method, scenario and seed, as ``split_digits.run_one`` builds it."""
+    from continual_blr.config import yaml_load
+
+    if isinstance(record.get("config"), dict):
+        raw = {k: v for k, v in record["config"].items() if k not in ("method", "train_used")}
+        return from_dict(run_config_cls, raw)
+    base = yaml_load((root / "configs" / "split_digits" / "none.yaml").read_text()) or {}
+    cfg = from_dict(run_config_cls, base)
+    cfg.stream.scenario = record["scenario"]
+    cfg.stream.validation = record.get("validation", 0.0) or 0.0
+    cfg.seed = record["seed"]
+    cfg.methods = [from_dict(type(cfg.methods[0]), dict(record["method_config"]))]
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--record", required=True, nargs="+", help="run records (JSON) whose configs are probed, in order")
@@ -71,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     tracers, outs = [], []
     for record_path in args.record:
         record = json.loads(Path(record_path).read_text())
-        raw = {k: v for k, v in record["config"].items() if k not in ("method", "train_used")}
-        cfg = from_dict(RunConfig, raw)
+        cfg = run_config_of(record, root, from_dict, RunConfig)
         epochs = min(args.epochs, (cfg.methods[0].train or {}).get("epochs", cfg.train.epochs))
         cfg.train = dataclasses.replace(cfg.train, epochs=min(args.epochs, cfg.train.epochs))
         if "epochs" in (cfg.methods[0].train or {}):

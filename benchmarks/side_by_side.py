@@ -230,8 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--status", action="store_true", help="say which rows are current; probe nothing")
     ap.add_argument("--backfill", metavar="COMMIT", help="fingerprint records made before fingerprints existed")
     ap.add_argument("--only", nargs="*", default=None, help="records folders (or folder/method) to check")
+    ap.add_argument("--new-root", default=str(ROOT), help="the library to check the records against (default: this "
+                    "checkout; another folder holding continual_blr/ and configs/, e.g. to time a planted change)")
+    ap.add_argument("--dry-run", action="store_true", help="say what would be carried over; write nothing")
     args = ap.parse_args(argv)
-    records_dir = Path(args.records_dir)
+    records_dir, new_root = Path(args.records_dir), Path(args.new_root).resolve()
     if args.backfill:
         backfill(records_dir, args.backfill, Path(args.worktrees))
         return 0
@@ -240,21 +243,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.only is not None and folder not in args.only and f"{folder}/{method}" not in args.only:
             continue
         if args.status:
-            states = [run_records.currency(json.loads(p.read_text()), folder, records_dir) for p in paths]
+            states = [run_records.currency(json.loads(p.read_text()), folder, records_dir, new_root) for p in paths]
             stale = [p.stem.rpartition("_seed")[2] for p, (ok, _) in zip(paths, states) if not ok]
             why = next((w for ok, w in states if not ok), "")
             print(f"{folder} {method}: {len(paths)} records, " + (f"stale seeds {stale} ({why})" if stale else "current"))
             continue
-        said, record, changed, old = stale_row(records_dir, folder, method, paths, Path(args.worktrees))
+        said, record, changed, old = stale_row(records_dir, folder, method, paths, Path(args.worktrees), new_root)
         if said:
             bad += said != "current"
             print(f"{folder} {method}: {said}", flush=True)
         else:
             todo.setdefault(old, []).append((folder, method, paths, record, changed))
     for old, group in todo.items():  # one probe process per library and kernel path for all rows of that library
-        verdicts = compare([(paths[0], changed) for _, _, paths, _, changed in group], old, ROOT)
+        verdicts = compare([(paths[0], changed) for _, _, paths, _, changed in group], old, new_root)
         for (folder, method, paths, record, changed), verdict in zip(group, verdicts):
-            said = settle(records_dir, folder, method, paths, record, changed, verdict, ROOT)
+            said = settle(records_dir, folder, method, paths, record, changed, verdict, new_root, not args.dry_run)
             bad += said.startswith("stale")
             print(f"{folder} {method}: {said}", flush=True)
     return 1 if bad else 0

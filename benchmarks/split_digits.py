@@ -199,7 +199,7 @@ def run_one(row: Row, scenario: str, seed: int, records_dir: Path, force: bool =
     if path.is_file():
         rec = json.loads(path.read_text())
         if not force and rec.get("method_config") == key and rec.get("validation", 0.0) == validation \
-                and run_records.is_current(rec):
+                and run_records.currency(rec, folder.relative_to(records_dir).as_posix(), records_dir)[0]:
             return rec
         old = folder / "superseded" / f"{path.stem}__{(rec.get('library_hash') or 'unknown')[:8]}.json"
         old.parent.mkdir(parents=True, exist_ok=True)
@@ -212,10 +212,19 @@ def run_one(row: Row, scenario: str, seed: int, records_dir: Path, force: bool =
     cfg.progress = False
     cfg.methods = [mc]
     resolved = getattr(build_method(mc.name, mc.params), "params", None)
-    origin = run_records.provenance(cfg.device)
+    origin = run_records.run_provenance(cfg.device)
+    from continual_blr.runner import _train_for
+    from fingerprint import ExecutedCode
+
+    executed = ExecutedCode(run_records.imported_package_dir())  # the code this run executes (records.currency)
+    started = run_records.now_utc()
     t0, c0 = time.perf_counter(), time.process_time()
-    res = run_config(cfg, save=False)[0]
+    with executed:
+        res = run_config(cfg, save=False, on_epoch=executed.epoch_hook(_train_for(cfg, mc.train).epochs))[0]
     rec = res.to_dict() | {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
+                           "started": started, "ended": run_records.now_utc(),
+                           "fingerprint": run_records._fingerprint.source_hashes(
+                               executed.entries(), run_records.imported_package_dir().parent),
                            "threads": torch.get_num_threads(),
                            "label": row.label, "config": row.config, "method_config": key, "validation": validation,
                            "resolved_params": dataclasses.asdict(resolved) if dataclasses.is_dataclass(resolved)
@@ -303,6 +312,12 @@ def _lam_cell(row: Row) -> str:
     return " / ".join(dict.fromkeys(cells))
 
 
+def _evaluations(superseded: dict[tuple[str, str], list[dict]], label: str) -> list[str]:
+    """The earlier test evaluations of a row: its superseded records grouped by the library they ran on (one
+    evaluation of all seeds and scenarios per library)."""
+    return sorted({(r.get("library_hash") or "?")[:8] for scen in SCENARIOS for r in superseded.get((label, scen), [])})
+
+
 def report(records: Records, seeds: list[int], validation: float = 0.0,
            superseded: dict[tuple[str, str], list[dict]] | None = None) -> str:
     """The markdown table and its notes, a function of the records alone.
@@ -343,9 +358,10 @@ def report(records: Records, seeds: list[int], validation: float = 0.0,
         "10-way head (single-head). Δ none: mean ± std over seeds of (row − none) on the same seed.",
         "",
         "| method | config | λ-equiv. | task-incremental | Δ none | forgetting | class-incremental | Δ none "
-        "| forgetting | CPU / run (s) | library | commits |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| forgetting | CPU / run (s) | current | test evals | library | commits |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    records_dir = run_records.RECORDS_DIR
     for row in rows:
         cells: list[str] = []
         cpu: list[float] = []
@@ -364,8 +380,11 @@ def report(records: Records, seeds: list[int], validation: float = 0.0,
             mine += recs
         libs = ", ".join(sorted({(r.get("library_hash") or "?")[:8] for r in mine}))
         commits = ", ".join(sorted({(r.get("commit") or "?")[:8] + ("+dirty" if r.get("dirty") else "") for r in mine}))
+        stale = sum(not run_records.currency(r, f"split_digits/{r['scenario']}/{folder}", records_dir)[0] for r in mine)
+        current = "yes" if not stale else f"**stale** ({stale}/{len(mine)})"
+        evals = "-" if validation else str(1 + len(_evaluations(superseded or {}, row.label)))
         lines.append(f"| {row.label} | {_config_cell(row)} | {_lam_cell(row)} | {' | '.join(cells)} "
-                     f"| {statistics.fmean(cpu):.1f} | {libs} | {commits} |")
+                     f"| {statistics.fmean(cpu):.1f} | {current} | {evals} | {libs} | {commits} |")
     below = []
     for row in rows:
         for scen in SCENARIOS:
@@ -427,6 +446,7 @@ def report(records: Records, seeds: list[int], validation: float = 0.0,
 
 def main(argv: list[str] | None = None) -> int:
     """Run the selected rows × scenarios × seeds, print the table and (unless ``--no-write``) write it."""
+    run_records.process_start()  # commit and dirty flag as they are when the command starts
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--methods", nargs="+", default=None,
