@@ -20,7 +20,7 @@ import io
 import sys
 from pathlib import Path
 
-from .cli import _fail, _read_yaml, _threads
+from .cli import EXIT_INTERRUPTED, _fail, _read_yaml, _threads
 
 __all__ = ["add_saved_run_parsers"]
 
@@ -71,6 +71,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         with _threads(args.threads):
             index, insp = inspect_path(path, out=args.out, method=args.method, tasks=tasks, top=args.top,
                                        device=args.device, progress=not args.no_progress, imports=args.imports)
+    except KeyboardInterrupt:  # the report is written aside and moved in only once complete: nothing partial is left
+        print("continual-blr: inspect interrupted; no report written", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except FileNotFoundError as err:
         return _fail(_first_line(err))
     except _ERRORS as err:

@@ -36,3 +36,23 @@ def test_inspect_shows_the_replay_buffer_as_the_memory(replay_run, tmp_path, cap
     assert "<b>30</b> in all" in text
     assert main(["inspect", str(replay_run), "--out", str(tmp_path / "o"), "--no-progress"]) == 0
     assert "inspected er (the first method with a stored memory" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("stage", ["scores", "figures"])
+def test_ctrl_c_in_inspect_is_one_line_exit_130_and_leaves_no_report(replay_run, tmp_path, capsys, monkeypatch, stage):
+    """KeyboardInterrupt while scoring or while drawing: one line on stderr, exit 130, no report folder."""
+    from continual_blr.cli import main
+    from continual_blr.inspect import figures, report
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    if stage == "scores":
+        monkeypatch.setattr(report, "score_examples", interrupt)
+    else:
+        monkeypatch.setattr(figures, "plot_memory_across_tasks", interrupt)  # after scores.csv and two figures
+    out = tmp_path / "new" / "rep"
+    assert main(["inspect", str(replay_run), "--out", str(out), "--no-progress"]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err == "continual-blr: inspect interrupted; no report written"
+    assert not out.exists() and list(tmp_path.iterdir()) == []

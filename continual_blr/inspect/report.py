@@ -25,6 +25,9 @@ import base64
 import csv
 import html
 import math
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +38,7 @@ from tqdm.auto import tqdm
 
 from ..data.stream import Task
 from ..memory import select_memorable, select_per_class
+from ..run_folder import deferred_interrupts
 from . import figures
 from .saved_run import SavedRun, memory_kind, run_covariance, stored_memory
 from .scores import ExampleScores, score_examples
@@ -248,6 +252,9 @@ def _fmt(v: float) -> str:
 def write_report(insp: Inspection, out: str | Path, *, progress: bool = False) -> Path:
     """Write the figures, ``scores.csv`` and ``index.html`` into ``out``; returns the HTML path.
 
+    The report is written into a hidden folder beside ``out`` and moved into ``out`` once complete, so an
+    interrupt (Ctrl-C) or an error leaves no partial report behind (an earlier report in ``out`` stays as it was).
+
     Args:
         insp: from :func:`inspect_run`.
         out: the report folder (created).
@@ -255,7 +262,24 @@ def write_report(insp: Inspection, out: str | Path, *, progress: bool = False) -
     """
     t0 = time.perf_counter()
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out: {out} is a file; allowed: a folder")
+    base = out.parent
+    while not base.is_dir():  # the nearest existing folder: nothing is created before the report is complete
+        base = base.parent
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=base))
+    try:
+        html_path = _write_report(insp, work, progress, t0)
+        with deferred_interrupts():
+            out.mkdir(parents=True, exist_ok=True)
+            for f in sorted(work.iterdir()):
+                os.replace(f, out / f.name)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out / html_path.name
+
+
+def _write_report(insp: Inspection, out: Path, progress: bool, t0: float) -> Path:
     labels = [insp.task_label(i) for i in range(len(insp.scores))]
     bar = tqdm(total=4 + len(insp.scores), desc="report", unit="figure", disable=None if progress else True, leave=False)
     try:
