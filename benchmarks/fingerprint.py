@@ -102,7 +102,7 @@ class ExecutedCode:
         and class bodies (code that runs once per process, when a module is imported)."""
         root = Path(self.package_dir).parent
         out = set()
-        for code in self.codes:
+        for code in list(self.codes):  # a snapshot: other threads may still be traced
             if not code.co_filename.startswith(self.package_dir):
                 continue
             if definitions_only and code.co_flags & inspect.CO_NEWLOCALS:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -45,7 +46,8 @@ import fingerprint  # noqa: E402
 import records as run_records  # noqa: E402
 
 ROOT = HERE.parent
-KERNEL_PATHS = ("", "default")  # ATEN_CPU_CAPABILITY: "" = the machine's default dispatch
+KERNEL_PATHS = ("", "default")
+TABLE_FOLDER = re.compile(r"^((full|quick)(_validation[0-9.]+)?|table(_validation[0-9.]+)?)$")  # ATEN_CPU_CAPABILITY: "" = the machine's default dispatch
 
 
 def rows(records_dir: Path) -> dict[tuple[str, str], list[Path]]:
@@ -54,6 +56,8 @@ def rows(records_dir: Path) -> dict[tuple[str, str], list[Path]]:
     for path in sorted(Path(records_dir).rglob("*_seed*.json")):
         if "superseded" in path.parts or path.relative_to(records_dir).parts[0] == "search":
             continue  # searches choose settings on validation; no table stands on their currency
+        if not TABLE_FOLDER.match(path.parent.name):
+            continue  # a scratch folder (an old check's reruns), not a table's records
         method, _, seed = path.stem.rpartition("_seed")
         if not seed.isdigit():
             continue
@@ -114,7 +118,8 @@ def compare(items: list[tuple[Path, list[str]]], old_root: Path, new_root: Path,
     for (_, changed), ps in zip(items, pairs):
         reached = set().union(*(p.pop("fingerprint") for p in ps))
         fp = {e: h for e, h in fingerprint.source_hashes(reached, new_root).items()}
-        unreached = sorted(set(changed) - reached)
+        gone = {e for e, h in fingerprint.source_hashes(set(changed), new_root).items() if h == "missing"}
+        unreached = sorted(set(changed) - reached - gone)  # removed code cannot be reached; the numbers must agree
         equal = all(p["equal"] for p in ps)
         reason = "" if equal and not unreached else (
             "probe numbers differ" if not equal else "the probe does not execute " + ", ".join(unreached))
@@ -233,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-root", default=str(ROOT), help="the library to check the records against (default: this "
                     "checkout; another folder holding continual_blr/ and configs/, e.g. to time a planted change)")
     ap.add_argument("--dry-run", action="store_true", help="say what would be carried over; write nothing")
+    ap.add_argument("--probe", nargs=argparse.REMAINDER, default=None,
+                    help="arguments for probe.py (e.g. --probe --train 256 --test 128); must come last")
     args = ap.parse_args(argv)
     records_dir, new_root = Path(args.records_dir), Path(args.new_root).resolve()
     if args.backfill:
@@ -255,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             todo.setdefault(old, []).append((folder, method, paths, record, changed))
     for old, group in todo.items():  # one probe process per library and kernel path for all rows of that library
-        verdicts = compare([(paths[0], changed) for _, _, paths, _, changed in group], old, new_root)
+        verdicts = compare([(paths[0], changed) for _, _, paths, _, changed in group], old, new_root,
+                           extra=args.probe)
         for (folder, method, paths, record, changed), verdict in zip(group, verdicts):
             said = settle(records_dir, folder, method, paths, record, changed, verdict, new_root, not args.dry_run)
             bad += said.startswith("stale")

@@ -144,8 +144,9 @@ def test_reproduce_is_resumable_and_merges_runs_and_keeps_notes(tmp_path, monkey
 
 
 def test_records_hold_provenance_and_a_stale_record_is_rerun(tmp_path, monkeypatch):
-    """A record names its commit, dirty flag, library hash, versions, device and resolved parameters; a record
-    whose library hash is not the current one is run again, a current one is reused."""
+    """A record names its commit, dirty flag, library hash, versions, device, resolved parameters, timestamps and
+    the code it executed; a record whose executed code changed (or, without a fingerprint, whose library hash is not
+    the current one) is run again and the replaced one kept under superseded/; a current one is reused."""
     reproduce = _load_reproduce()
     _tiny_configs(tmp_path)
     reproduce.main(_args(tmp_path, "--methods", "ewc", "--seeds", "0"))
@@ -162,9 +163,17 @@ def test_records_hold_provenance_and_a_stale_record_is_rerun(tmp_path, monkeypat
     monkeypatch.setattr(runner, "run_config", lambda *a, **k: calls.append(1) or real(*a, **k))
     reproduce.main(_args(tmp_path, "--methods", "ewc", "--seeds", "0"))
     assert calls == []  # current: reused
-    path.write_text(json.dumps(rec | {"library_hash": "0" * 16}))
+    assert rec["fingerprint"] and rec["started"] <= rec["ended"] and "cpu_flags" in rec["device_info"]
+    entry = next(e for e in rec["fingerprint"] if "methods/ewc.py" in e)
+    path.write_text(json.dumps(rec | {"fingerprint": rec["fingerprint"] | {entry: "0" * 16}}))
     reproduce.main(_args(tmp_path, "--methods", "ewc", "--seeds", "0"))
-    assert calls == [1]  # stale: rerun
+    assert calls == [1]  # code it executed changed: stale, rerun
+    assert len(list(path.parent.glob("superseded/ewc_seed0@*.json"))) == 1  # the replaced evaluation is kept
+    rec = json.loads(path.read_text())
+    legacy = {k: v for k, v in rec.items() if k != "fingerprint"} | {"library_hash": "0" * 16}
+    path.write_text(json.dumps(legacy))  # a record without a fingerprint: the library-hash rule
+    reproduce.main(_args(tmp_path, "--methods", "ewc", "--seeds", "0"))
+    assert calls == [1, 1]
 
 
 def test_a_resumable_run_writes_its_cpu_time_while_it_runs(tmp_path, monkeypatch):
@@ -181,7 +190,7 @@ def test_a_resumable_run_writes_its_cpu_time_while_it_runs(tmp_path, monkeypatch
     work = tmp_path / "work" / "run"
     seen = []
 
-    def busy_run(cfg, save=True, resume=False):
+    def busy_run(cfg, save=True, resume=False, **kw):
         c0 = time.process_time()
         while time.process_time() - c0 < 0.4:
             pass
@@ -509,7 +518,7 @@ def test_split_digits_records_are_reused_while_current_and_superseded_runs_stay_
     path = tmp_path / "split_digits" / "task" / "table" / "none_seed0.json"
     assert first["library_hash"] and "commit" in first and first["resolved_params"] is None
     assert sd.run_one(row, "task", 0, tmp_path)["wall_s"] == first["wall_s"]  # reused, not rerun
-    monkeypatch.setattr(sd.run_records, "is_current", lambda rec, h=None: False)  # the library changed
+    monkeypatch.setattr(sd.run_records, "currency", lambda rec, *a, **k: (False, "changed"))  # the library changed
     second = sd.run_one(row, "task", 0, tmp_path)
     assert second["wall_s"] != first["wall_s"]
     old = list((path.parent / "superseded").glob("none_seed0__*.json"))
@@ -543,6 +552,15 @@ def test_reproduce_keeps_rows_whose_runs_are_not_stored_here(tmp_path):
     assert "| none |" not in out.read_text()
 
 
+def _as_legacy(runs: Path) -> None:
+    """Strip the fingerprints from the records under ``runs``: records made before fingerprints existed, which
+    check_equivalence.py (the library-hash rule) is for."""
+    for p in runs.rglob("*_seed*.json"):
+        rec = json.loads(p.read_text())
+        rec.pop("fingerprint", None)
+        p.write_text(json.dumps(rec))
+
+
 def _load_check_equivalence():
     spec = importlib.util.spec_from_file_location("check_equivalence", ROOT / "benchmarks" / "check_equivalence.py")
     module = importlib.util.module_from_spec(spec)
@@ -561,7 +579,8 @@ def test_checked_equivalence_keeps_records_current_only_when_every_rerun_is_bitw
     _tiny_configs(tmp_path)
     runs = tmp_path / "runs"
     reproduce.main(_args(tmp_path, "--methods", "none", "ewc", "--seeds", "0", "1"))
-    old = rr.library_hash()
+    _as_legacy(tmp_path / "runs")
+    old = json.loads((runs / "tiny/task/full/ewc_seed1.json").read_text())["library_hash"]
     folder = "tiny/task/full"
     rec = json.loads((runs / folder / "ewc_seed1.json").read_text())
     for mod in (rr, reproduce.run_records):  # the library "changed": its hash is now another one
@@ -606,6 +625,7 @@ def test_checked_equivalence_keeps_records_current_only_when_every_rerun_is_bitw
     calls = []
     monkeypatch.setattr(runner, "run_config", lambda *a, **k: calls.append(1) or real(*a, **k))
     reproduce.main(_args(tmp_path, "--methods", "none", "ewc", "--seeds", "0", "1"))
+    _as_legacy(tmp_path / "runs")
     assert calls == []  # every record reused
 
 
@@ -743,6 +763,7 @@ def _records_on_a_changed_library(tmp_path, monkeypatch, *methods: str):
     _tiny_configs(tmp_path)
     runs = tmp_path / "runs"
     reproduce.main(_args(tmp_path, "--methods", *methods, "--seeds", "0", "--threads", "1"))
+    _as_legacy(tmp_path / "runs")
     for mod in (rr, reproduce.run_records):
         monkeypatch.setattr(mod, "library_hash", lambda root=None: "f" * 16)
         monkeypatch.setattr(mod, "_PROCESS_HASH", {})
