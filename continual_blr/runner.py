@@ -3,7 +3,8 @@ the one loop (:func:`continual_blr.loop.run_stream`) for each method, and keep t
 
 After every task of every method the runner writes, atomically (:mod:`continual_blr.run_folder`):
 ``results.json`` (finished methods complete, the running one with its finished tasks), the table
-``results.md``, the heatmap ``accuracy_matrix.png``, the method's ``checkpoint.pt`` and its logs. A
+``results.md``, the method's ``checkpoint.pt`` and its logs; the heatmap ``accuracy_matrix.png`` once, when
+the run (or its resume) ends. A
 finished method also gets ``<method>/model.pt`` and ``<method>/method.pt`` (what ``continual-blr
 inspect`` reads). :func:`run_config` with ``resume=True`` skips finished methods and continues the
 unfinished one from its last finished task; the result equals an uninterrupted run's (same seed, CPU).
@@ -209,7 +210,7 @@ def format_table(results: list[StreamResult]) -> str:
 
 
 class _Writer:
-    """Keeps a run folder current: results, table, heatmap after every task; checkpoints and logs."""
+    """Keeps a run folder current: results and table after every task, the heatmap at the end; checkpoints."""
 
     def __init__(self, folder: RunFolder, cfg: RunConfig, tensorboard: bool) -> None:
         self.folder, self.cfg, self.tensorboard = folder, cfg, tensorboard
@@ -217,7 +218,9 @@ class _Writer:
         self.progress: dict[str, tuple[int, int]] = {}
         self.stream: TaskStream | None = None  # described in results.json: prediction needs no dataset
 
-    def write_results(self) -> None:
+    def write_results(self, figure: bool = False) -> None:
+        """``results.json`` and ``results.md``; with ``figure`` also the heatmap (drawn once, at the run's end:
+        drawing it after every task cost more than the training of a default run)."""
         results = [self.results[m.name] for m in self.cfg.methods if m.name in self.results]
         payload = {"config": self.cfg.to_dict(), "quick": self.cfg.quick, "threads": torch.get_num_threads(),
                    "results": [r.to_dict() for r in results],
@@ -228,6 +231,7 @@ class _Writer:
         self.folder.write_json("results.json", payload)
         if results:
             self.folder.write_text("results.md", f"```\n{format_table(results)}\n```\n")
+        if results and figure:
             from .plots import plot_accuracy_matrices
 
             self.folder.save_figure("accuracy_matrix.png", lambda p: plot_accuracy_matrices(results, p))
@@ -414,7 +418,7 @@ def run_config(cfg: RunConfig, save: bool = True, *, overwrite: bool = False, re
                 folder.save_torch(f"{mc.name}/model.pt", model.state_dict())
                 folder.save_torch(f"{mc.name}/method.pt", method.state_dict())
         if save:
-            writer.write_results()
+            writer.write_results(figure=True)
     except KeyboardInterrupt:
         done = [(m.name, *writer.progress[m.name]) for m in cfg.methods if m.name in writer.progress]
         raise RunInterrupted(Path(cfg.out or "."), done) from None

@@ -24,3 +24,37 @@ def test_first_method_is_not_charged_the_process_start_up(tmp_path):
     results = json.loads((tmp_path / "run" / "results.json").read_text())["results"]
     first, rest = results[0]["task_times"][0], results[0]["task_times"][1:] + results[1]["task_times"]
     assert first <= 0.3 + 5 * max(rest), (first, rest)
+
+
+def test_heatmap_drawn_once_at_the_end_and_on_resume(tmp_path, monkeypatch, capsys):
+    """One heatmap per run (not one per task of every method), and a resumed run draws it when it ends."""
+    import torch
+
+    from continual_blr import loop, plots
+    from continual_blr.cli import main
+
+    torch.set_num_threads(1)
+    drawn = []
+    original = plots.plot_accuracy_matrices
+    monkeypatch.setattr(plots, "plot_accuracy_matrices", lambda results, path: drawn.append(path) or
+                        original(results, path))
+    (tmp_path / "c.yaml").write_text(TINY + "methods: [none, l2]\n")
+    assert main(["run", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "a")]) == 0
+    assert len(drawn) == 1 and (tmp_path / "a" / "accuracy_matrix.png").is_file()
+
+    drawn.clear()
+    fit, calls = loop.fit_task, []
+
+    def stop_at_third(*args, **kwargs):  # l2's first task: none has finished
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return fit(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loop, "fit_task", stop_at_third)
+        assert main(["run", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "b")]) == 130
+    assert drawn == [] and not (tmp_path / "b" / "accuracy_matrix.png").exists()
+    assert main(["run", "--resume", str(tmp_path / "b")]) == 0
+    assert len(drawn) == 1 and (tmp_path / "b" / "accuracy_matrix.png").is_file()
+    capsys.readouterr()
