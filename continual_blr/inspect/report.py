@@ -22,12 +22,15 @@ a FROMP run the two coincide exactly (the memory was chosen at the final weights
 from __future__ import annotations
 
 import base64
+import contextlib
 import csv
 import html
 import math
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,7 +41,6 @@ from tqdm.auto import tqdm
 
 from ..data.stream import Task
 from ..memory import select_memorable, select_per_class
-from ..run_folder import deferred_interrupts
 from . import figures
 from .saved_run import SavedRun, memory_kind, run_covariance, stored_memory
 from .scores import ExampleScores, score_examples
@@ -249,6 +251,23 @@ def _fmt(v: float) -> str:
     return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3g}"
 
 
+@contextlib.contextmanager
+def _held_interrupts():
+    """Ignore SIGINT / SIGTERM while the finished report is moved into place (milliseconds): the report is then
+    complete, and the command ends as if the interrupt had come a moment later."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s in old:
+        signal.signal(s, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 def write_report(insp: Inspection, out: str | Path, *, progress: bool = False) -> Path:
     """Write the figures, ``scores.csv`` and ``index.html`` into ``out``; returns the HTML path.
 
@@ -270,7 +289,7 @@ def write_report(insp: Inspection, out: str | Path, *, progress: bool = False) -
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=base))
     try:
         html_path = _write_report(insp, work, progress, t0)
-        with deferred_interrupts():
+        with _held_interrupts():
             out.mkdir(parents=True, exist_ok=True)
             for f in sorted(work.iterdir()):
                 os.replace(f, out / f.name)
