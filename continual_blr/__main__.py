@@ -13,11 +13,15 @@ from __future__ import annotations
 import os
 import sys
 
-from . import distributed
-
 
 def main(argv: list[str] | None = None) -> int:
     """Join the torchrun process group (if any) and run the CLI; returns the exit status."""
+    if os.environ.get("WORLD_SIZE", "1") == "1":  # no launcher: torch is imported only by commands that need it
+        from .cli import main as cli_main
+
+        return cli_main(argv)
+    from . import distributed
+
     try:
         distributed.init_from_env()
     except (ValueError, RuntimeError) as err:

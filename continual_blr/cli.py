@@ -128,73 +128,49 @@ def _import_path(name: object, base: Path) -> object:
     return str(local.resolve()) if local.is_file() else name
 
 
+def _catalog(imports: list[str]) -> dict:
+    """The methods as ``continual-blr methods`` shows them: read from the source without importing torch
+    (:mod:`continual_blr.cli_catalog`) unless ``--import`` modules or installed entry points add methods."""
+    from . import cli_catalog
+
+    if not imports and not cli_catalog.entry_points_declared():
+        try:
+            return cli_catalog.static_methods()
+        except cli_catalog.Unsupported:
+            pass
+    from .methods import DESCRIPTIONS, available_methods
+    from .methods.plugins import import_modules
+
+    import_modules([_import_path(m, Path.cwd()) for m in imports])
+    return cli_catalog.imported(available_methods(), DESCRIPTIONS)
+
+
 def _cmd_methods(args: argparse.Namespace) -> int:
     """``continual-blr methods [NAME]``: the registered methods (with a one-line description each), or one
     method's parameters with their types, defaults and one-line docs."""
-    import dataclasses
-    import typing
-
-    from .methods import available_methods
-    from .methods.plugins import import_modules
+    from .cli_catalog import plain
 
     try:
-        import_modules([_import_path(m, Path.cwd()) for m in (args.imports or [])])
+        methods = _catalog(list(args.imports or []))
     except ValueError as err:
         return _fail(str(err))
-    methods = available_methods()
     if args.name is None:
         width = max(map(len, methods))
         for name in sorted(methods):
-            cls, _ = methods[name]
-            doc = (cls.__doc__ or "").strip().splitlines()
-            print(f"{name:<{width}}  {doc[0] if doc else ''}")
+            print(f"{name:<{width}}  {plain(methods[name].description)}")
         return 0
     if args.name not in methods:
         return _fail(f"methods: unknown method {args.name!r}; allowed: {', '.join(sorted(methods))}")
-    cls, params_cls = methods[args.name]
-    doc = (cls.__doc__ or "").strip().splitlines()
-    print(f"{args.name}: {doc[0] if doc else cls.__name__}")
-    if params_cls is None:
+    m = methods[args.name]
+    print(f"{args.name}: {plain(m.description)}")
+    if m.params is None:
         print("  (no parameters)")
         return 0
-    field_docs: dict[str, str] = {}
-    for klass in reversed(params_cls.__mro__):  # inherited fields keep their base class's description
-        field_docs |= _attribute_docs(klass.__doc__ or "") if dataclasses.is_dataclass(klass) else {}
-    hints = typing.get_type_hints(params_cls)
-    print(f"parameters ({params_cls.__name__}; give them under params: in a config, or as "
+    print(f"parameters ({m.params}; give them under params: in a config, or as "
           f"--set {args.name}.PARAM=VALUE):")
-    for f in dataclasses.fields(params_cls):
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")
-        kind = getattr(hints.get(f.name), "__name__", str(hints.get(f.name))).replace("typing.", "")
-        print(f"  {f.name}: {kind} = {default!r}  {field_docs.get(f.name, '')}")
+    for f in m.fields:
+        print(f"  {f.name}: {f.kind} = {f.default!r}  {plain(f.doc)}")
     return 0
-
-
-def _attribute_docs(doc: str) -> dict[str, str]:
-    """The first sentence of each entry of a Google-style ``Attributes:`` section."""
-    import inspect
-
-    out: dict[str, str] = {}
-    inside, current = False, None
-    for line in inspect.cleandoc(doc).splitlines():
-        stripped = line.strip()
-        if stripped == "Attributes:":
-            inside = True
-            continue
-        if not inside:
-            continue
-        if stripped and not line.startswith(" "):
-            break  # the next section
-        if stripped and not line.startswith(" " * 8) and ":" in stripped:
-            name, _, text = stripped.partition(":")
-            if " " in name:
-                break
-            current = name
-            out[current] = text.strip()
-        elif stripped and current is not None and not out[current].endswith("."):
-            out[current] += " " + stripped
-    return {k: v.split(". ")[0].rstrip(".") + "." if v else "" for k, v in out.items()}
 
 
 _SET_EXAMPLE = "e.g. --set fromp.tau=1 or --set train.epochs=2"
@@ -520,13 +496,17 @@ def _run_sweep(cfg, seeds: list[int], args: argparse.Namespace) -> int:
 
 
 def _epilog() -> str:
-    from .data import STREAMS
-    from .methods import available_methods
+    from . import cli_catalog
 
-    METHODS = available_methods()
+    try:  # read from the source: --help answers without importing torch
+        methods, streams = list(_catalog([])), cli_catalog.static_streams()
+    except cli_catalog.Unsupported:
+        from .data import STREAMS
+        from .methods import available_methods
 
-    return (f"methods: {', '.join(sorted(METHODS))}\n"
-            f"streams: {', '.join(sorted(STREAMS))}\n"
+        methods, streams = list(available_methods()), STREAMS
+    return (f"methods: {', '.join(sorted(methods))}\n"
+            f"streams: {', '.join(sorted(streams))}\n"
             "run folders, --resume, --seeds, --threads, logs: docs/runs.md\n"
             "a method's parameters: continual-blr methods NAME; your own methods: docs/own_method.md\n"
             "several processes: torchrun --nproc-per-node N -m continual_blr run CONFIG (docs/distributed.md)")
@@ -542,7 +522,9 @@ class _OneLineParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     epilog = _epilog()
-    parser = _OneLineParser(prog="continual-blr", description=__doc__.split("\n")[0], epilog=epilog,
+    parser = _OneLineParser(prog="continual-blr", description="Continual learning with the Bayesian learning rule: "
+                            "train methods over a task stream (run), list them (methods), read a finished run "
+                            "(inspect, predict).", epilog=epilog,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"continual-blr {version()}")
     sub = parser.add_subparsers(dest="command", required=True)

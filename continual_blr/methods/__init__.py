@@ -61,6 +61,16 @@ METHODS: dict[str, tuple[type[Method], type | None]] = {
     "derpp": (DERPPMethod, DERPPParams),
 }
 
+DESCRIPTIONS: dict[str, str] = {
+    "fromp": "FROMP: functional regularisation of memorable points (top tr Λ per class), one kernel per class",
+    "frorp": "FROMP with memorable points drawn at random per class instead of by tr Λ (selection: random)",
+    "fromp-l2": "FROMP without the kernel: (τ/2) Σ ‖Δp‖² at the memorable points (kernel: identity)",
+    "fromp-full": "FROMP with the full multi-output kernel, cross-class terms kept (kernel: full)",
+    "fromp-kron": "FROMP with a Kronecker-factored (K-FAC) weight covariance Σ in its kernels (kernel: kron)",
+}
+"""One-line descriptions for ``continual-blr methods`` where one class serves several names (the FROMP
+variants differ only in their parameters' defaults); every other method is described by its class docstring."""
+
 
 def register(name: str, method_cls: type[Method], params_cls: type | None) -> None:
     """Add a method to the registry (used by the method modules and by users' own methods).
