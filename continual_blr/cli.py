@@ -434,11 +434,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     if not is_main_process():  # under torchrun only rank 0 reports (and writes)
         return 0
-    label = " [QUICK MODE: epochs / 5]" if cfg.quick else ""
-    print(f"\n{results[0].stream} ({results[0].scenario}-incremental), seed {cfg.seed}{label}")
-    evaluated_on = (f"validation (held-out {cfg.stream.validation:g} of each task's training data, not test)"
-                    if cfg.stream.validation else "test")
-    print(f"final {evaluated_on} accuracy (%) per task after the last task:")
+    from .runner import format_heading
+
+    print(f"\n{format_heading(results, cfg)}")
     print(_format_table(results))
     out = Path(cfg.out) if cfg.out is not None else Path(results[0].config.get("out") or ".")  # a copied run: here
     print(f"\nwrote {out / 'results.json'}, {out / 'results.md'} and {out / 'accuracy_matrix.png'}"

@@ -42,7 +42,7 @@ from .run_folder import (
 from .run_logs import TrainingLog
 
 __all__ = ["run_config", "resolve_out", "load_results", "load_run_config", "build_stream", "check_runnable", "check_methods",
-           "format_table", "set_threads", "RunInterrupted", "QUICK_EPOCH_DIVISOR", "RUNS_ROOT"]
+           "format_table", "format_heading", "set_threads", "RunInterrupted", "QUICK_EPOCH_DIVISOR", "RUNS_ROOT"]
 
 QUICK_EPOCH_DIVISOR = 5
 RUNS_ROOT = "runs"
@@ -209,6 +209,16 @@ def format_table(results: list[StreamResult]) -> str:
     return "\n".join(lines)
 
 
+def format_heading(results: list[StreamResult], cfg: RunConfig) -> str:
+    """The two lines above a run's table (printed, and in ``results.md``): stream, scenario, seed, a QUICK label
+    for a quick run, and what the accuracies were measured on."""
+    label = f" [QUICK MODE: epochs / {QUICK_EPOCH_DIVISOR}]" if cfg.quick else ""
+    evaluated_on = (f"validation (held-out {cfg.stream.validation:g} of each task's training data, not test)"
+                    if cfg.stream.validation else "test")
+    return (f"{results[0].stream} ({results[0].scenario}-incremental), seed {cfg.seed}{label}\n"
+            f"final {evaluated_on} accuracy (%) per task after the last task:")
+
+
 class _Writer:
     """Keeps a run folder current: results and table after every task, the heatmap at the end; checkpoints."""
 
@@ -230,7 +240,8 @@ class _Writer:
             payload["stream"] = self.stream.describe()
         self.folder.write_json("results.json", payload)
         if results:
-            self.folder.write_text("results.md", f"```\n{format_table(results)}\n```\n")
+            self.folder.write_text("results.md", f"{format_heading(results, self.cfg)}\n\n"
+                                                 f"```\n{format_table(results)}\n```\n")
         if results and figure:
             from .plots import plot_accuracy_matrices
 

@@ -58,3 +58,22 @@ def test_heatmap_drawn_once_at_the_end_and_on_resume(tmp_path, monkeypatch, caps
     assert main(["run", "--resume", str(tmp_path / "b")]) == 0
     assert len(drawn) == 1 and (tmp_path / "b" / "accuracy_matrix.png").is_file()
     capsys.readouterr()
+
+
+def test_results_md_names_stream_seed_and_a_quick_run(tmp_path, capsys):
+    """results.md says what it is: stream, scenario, seed, what was evaluated, and QUICK for a quick run."""
+    import torch
+
+    from continual_blr.cli import main
+
+    torch.set_num_threads(1)
+    (tmp_path / "c.yaml").write_text(TINY + "methods: [none]\nseed: 3\n")
+    assert main(["run", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "q"), "--quick"]) == 0
+    text = (tmp_path / "q" / "results.md").read_text()
+    head = text.splitlines()[0]
+    assert head.startswith("synthetic (task-incremental), seed 3") and "QUICK" in head, head
+    assert "final test accuracy (%)" in text
+    assert main(["run", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "f")]) == 0
+    assert "QUICK" not in (tmp_path / "f" / "results.md").read_text()
+    printed = capsys.readouterr().out
+    assert "synthetic (task-incremental), seed 3 [QUICK MODE: epochs / 5]" in printed  # the printed table: unchanged
