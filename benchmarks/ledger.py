@@ -93,24 +93,29 @@ def recover(records_dir: Path) -> int:
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_text(json.dumps(rec, indent=2))
             n += 1
+    for path in sorted(Path(records_dir).rglob("superseded/*.json")):  # split digits' own: date them once, from git
+        rec = json.loads(path.read_text())
+        if rec.get("committed") or rec.get("ended"):
+            continue
+        line = _git("log", "--diff-filter=A", "--format=%H %cI", "-1", "--", str(path.relative_to(ROOT))).strip()
+        if line:
+            commit, date = line.split()
+            rec["committed"] = {"commit": commit, "date": date, "note": "the commit that moved it to superseded/"}
+            path.write_text(json.dumps(rec, indent=2))
+            n += 1
     return n
-
-
-def _added(path: Path) -> str:
-    """The date of the commit that added ``path`` (``?`` if it is not committed)."""
-    return _git("log", "--diff-filter=A", "--format=%cs", "-1", "--", str(path.relative_to(ROOT))).strip() or "?"
 
 
 def _when(rec: dict[str, Any], path: Path) -> tuple[str, str]:
     """(date, group key) of a record's evaluation: the commit that added a recovered version; the end time of a
-    record that has one; else the library it ran on (split digits' superseded records) and the date its file
-    was committed."""
+    record that has one; else the library it ran on ("?" for the date). No git is read: the tables built from these
+    must be the same on any clone."""
     if rec.get("committed"):
         return rec["committed"]["date"][:16].replace("T", " "), "commit " + rec["committed"]["commit"][:8]
     if rec.get("ended"):
         date = rec["ended"][:10]
         return date, f"{date} {json.dumps(_methods(rec), sort_keys=True)}"
-    return _added(path), f"library {(rec.get('library_hash') or '?')[:8]} {json.dumps(_methods(rec), sort_keys=True)}"
+    return "?", f"library {(rec.get('library_hash') or '?')[:8]} {json.dumps(_methods(rec), sort_keys=True)}"
 
 
 def evaluations(folder: Path, method: str, records_dir: Path | None = None) -> list[dict[str, Any]]:
