@@ -31,6 +31,14 @@ def _fail(msg: str) -> int:
     return EXIT_USAGE
 
 
+def _did_you_mean(name: str, allowed) -> str:
+    """``" (did you mean 'fromp'?)"`` for a misspelt name close to one of ``allowed``, else ``""``."""
+    import difflib
+
+    close = difflib.get_close_matches(str(name), list(allowed), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def version() -> str:
     """The package version (``continual_blr.__version__``, else the installed distribution's)."""
     import continual_blr
@@ -160,7 +168,8 @@ def _cmd_methods(args: argparse.Namespace) -> int:
             print(f"{name:<{width}}  {plain(methods[name].description)}")
         return 0
     if args.name not in methods:
-        return _fail(f"methods: unknown method {args.name!r}; allowed: {', '.join(sorted(methods))}")
+        return _fail(f"methods: unknown method {args.name!r}{_did_you_mean(args.name, methods)}; "
+                     f"allowed: {', '.join(sorted(methods))}")
     m = methods[args.name]
     print(f"{args.name}: {plain(m.description)}")
     if m.params is None:
@@ -273,12 +282,14 @@ def _build_config(args: argparse.Namespace):
     if args.method:
         unknown = [m for m in args.method if m not in METHODS]
         if unknown:
-            return f"--method: unknown method {unknown[0]!r}; allowed: {', '.join(sorted(METHODS))}"
+            return (f"--method: unknown method {unknown[0]!r}{_did_you_mean(unknown[0], METHODS)}; "
+                    f"allowed: {', '.join(sorted(METHODS))}")
         by_name = {m.name: m for m in cfg.methods}
         cfg.methods = label_methods([by_name.get(m, MethodConfig(m)) for m in args.method], "--method")
     for i, m in enumerate(cfg.methods):
         if registry_name(m.name) not in METHODS:
-            return f"methods[{i}]: unknown method {m.name!r}; allowed: {', '.join(sorted(METHODS))}"
+            return (f"methods[{i}]: unknown method {m.name!r}{_did_you_mean(registry_name(m.name), METHODS)}; "
+                    f"allowed: {', '.join(sorted(METHODS))}")
     if args.config:  # the embedded default's stream and methods serve only a run without a config file
         for key, example in (("stream", "stream: {name: split_digits}"), ("methods", "methods: [blr, none]")):
             if key not in data and not (key == "methods" and args.method):
@@ -329,8 +340,11 @@ def _apply_machine_flags(cfg, args: argparse.Namespace) -> str | None:
     if args.device is not None:
         cfg.device = check_device(args.device)
     if args.data_dir is not None:
-        if not Path(args.data_dir).is_dir():
-            return f"--data-dir: folder not found: {args.data_dir}"
+        from .data.registry import _BUILDERS  # name -> (builder, whether it reads files, default scenario)
+
+        reads_files = _BUILDERS.get(cfg.stream.name, (None, True, None))[1]
+        if reads_files and not Path(args.data_dir).is_dir():  # a data-free stream (synthetic, digits) ignores it
+            return f"--data-dir: folder not found: {args.data_dir} (stream {cfg.stream.name} reads its files there)"
         cfg.stream.data_dir = args.data_dir
     if args.no_progress:
         cfg.progress = False
@@ -377,6 +391,15 @@ def _check_flags(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _finished(path: Path, cfg) -> bool:
+    """Whether the run in ``path`` has finished every method of ``cfg`` (its ``results.json`` says so)."""
+    from .run_folder import RunFolder
+
+    progress = (RunFolder(path).read_results() or {}).get("progress", {})
+    return all(progress.get(m.name, {}).get("complete") and (path / m.name / "model.pt").is_file()
+               for m in cfg.methods)
+
+
 def _sweep_cfg(path: Path):
     """(config, seeds) of a multi-seed folder (its ``sweep.json``), or None."""
     from .config import RunConfig, from_dict
@@ -416,6 +439,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         from .runner import check_runnable
 
         check_runnable(cfg)
+        if args.resume is not None and seeds is None and _finished(Path(args.resume), cfg):
+            print(f"continual-blr: --resume: every method of {args.resume} has finished; nothing to run (its "
+                  "results follow)", file=sys.stderr)
         with _threads(args.threads), _sigterm_as_interrupt():
             if seeds is not None:
                 return _run_sweep(cfg, seeds, args)

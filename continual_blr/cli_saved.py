@@ -101,6 +101,11 @@ def _cmd_predict(args: argparse.Namespace) -> int:
         return _fail(f"--inputs: {args.inputs} is not a regular file (allowed: a .npy array [N, *input_shape] or [N, D])")
     if not inputs.is_file():
         return _fail(f"--inputs: file not found: {args.inputs} (allowed: a .npy array [N, *input_shape] or [N, D])")
+    with inputs.open("rb") as fh:
+        magic = fh.read(6)
+    if magic != b"\x93NUMPY" and not magic.startswith(b"PK"):  # neither .npy nor .npz (e.g. a CSV)
+        return _fail(f"--inputs: {args.inputs} is not a .npy file; allowed: a .npy array [N, *input_shape] or [N, D] "
+                     "(from a CSV: numpy.save('x.npy', numpy.loadtxt('x.csv', delimiter=',', ndmin=2)))")
     try:
         x = np.load(inputs, allow_pickle=False)
     except (ValueError, OSError, EOFError) as err:

@@ -31,8 +31,8 @@ def plot_accuracy_matrices(results: list[StreamResult], path: str | Path) -> Pat
     im = None
     for ax, r in zip(axes, results):
         t = len(r.acc_matrix)
-        data = [[(v if not math.isnan(v) else float("nan")) for v in row] for row in r.acc_matrix]
-        im = ax.imshow(data, vmin=0.0, vmax=1.0, cmap="viridis")
+        data = [[(100 * v if not math.isnan(v) else float("nan")) for v in row] for row in r.acc_matrix]
+        im = ax.imshow(data, vmin=0.0, vmax=100.0, cmap="viridis")  # in %, as the cells
         for i in range(t):
             for j in range(t):
                 v = r.acc_matrix[i][j]
@@ -45,7 +45,7 @@ def plot_accuracy_matrices(results: list[StreamResult], path: str | Path) -> Pat
         ax.set_ylabel("after training task")
         ax.set_title(f"{r.method}: avg {100 * r.avg_acc:.1f}%", fontsize=9)
     if im is not None:
-        fig.colorbar(im, ax=list(axes), fraction=0.03, label="accuracy")
+        fig.colorbar(im, ax=list(axes), fraction=0.03, label="accuracy (%)")
     fig.suptitle(f"{results[0].stream} ({results[0].scenario}-incremental)", fontsize=10)
     path = Path(path)
     fig.savefig(path, bbox_inches="tight")

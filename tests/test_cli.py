@@ -69,7 +69,8 @@ BAD_INPUT = [
     ("comments-only config file", lambda t: ["run", _yaml(t, "# nothing\n")], ["is empty"]),
     ("invalid YAML", lambda t: ["run", _yaml(t, "train: [unclosed\n")], ["YAML"]),
     ("top level not a mapping", lambda t: ["run", _yaml(t, "- a\n")], ["mapping"]),
-    ("missing data folder", lambda t: ["run", "--data-dir", str(t / "nodata")], ["nodata"]),
+    ("missing data folder", lambda t: ["run", "--data-dir", str(t / "nodata"), "--set", "stream.name=split_mnist"],
+     ["nodata"]),  # a stream that reads files (a data-free one ignores --data-dir)
     ("missing dataset files", lambda t: ["run", _yaml(t, f"stream:\n  name: split_mnist\n  data_dir: {t}\n"
                                                         "  options: {download: false}\n")], [None]),
     ("--device gpu", lambda t: ["run", "--device", "gpu"], ["--device", "'gpu'", "cpu, cuda, cuda:N"]),
