@@ -1,4 +1,5 @@
-"""Command line: ``continual-blr run [CONFIG.yaml] [options]`` (and the saved-run commands of ``cli_saved``).
+"""Command line: ``continual-blr run [CONFIG.yaml] [options]`` and ``continual-blr methods`` (``inspect`` and
+``predict``, which read a finished run, are in ``cli_saved``; what both share is in ``cli_common``).
 
 With no arguments ``run`` trains the embedded default — split-digits (scikit-learn's bundled 8×8
 digits, no download) with the BLR method, FROMP and the no-prior baseline — prints a table and writes a
@@ -20,15 +21,12 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
+from .cli_common import EXIT_INTERRUPTED, EXIT_USAGE, as_flag
+from .cli_common import fail as _fail
+from .cli_common import read_yaml as _read_yaml
+from .cli_common import threads as _threads
+
 __all__ = ["main", "build_parser", "version"]
-
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
-
-
-def _fail(msg: str) -> int:
-    print(f"continual-blr: error: {msg}", file=sys.stderr)
-    return EXIT_USAGE
 
 
 def _did_you_mean(name: str, allowed) -> str:
@@ -54,49 +52,10 @@ def version() -> str:
         return "unknown"
 
 
-def _read_yaml(path: str) -> dict[str, Any]:
-    import yaml
-
-    from .config import yaml_load
-
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"config file not found: {path}")
-    try:
-        data = yaml_load(p.read_text())
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise ValueError(f"config file {path} is not valid YAML{where}") from None
-    if data is None:
-        raise ValueError(f"config file {path} is empty; give at least one setting (e.g. methods: [blr]) "
-                         "or run without a config for the embedded default")
-    if not isinstance(data, dict):
-        raise ValueError(f"config file {path} must hold a mapping at the top level")
-    return data
-
-
 def _format_table(results) -> str:
     from .runner import format_table
 
     return format_table(results)
-
-
-@contextlib.contextmanager
-def _threads(n: int | None) -> Iterator[None]:
-    """``torch.set_num_threads(n)`` (and the inter-op pool where torch still allows it) for the block."""
-    if n is None:
-        yield
-        return
-    import torch
-
-    from .runner import set_threads
-
-    old = set_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 @contextlib.contextmanager
@@ -455,7 +414,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print("continual-blr: interrupted before any task finished; nothing was written", file=sys.stderr)
         return EXIT_INTERRUPTED
     except (ConfigError, DataNotFoundError, FileNotFoundError, ValueError, TypeError) as err:
-        return _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
+        msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return _fail(as_flag(msg, {"resume": "--resume", "threads": "--threads"}))  # not config keys
     from .distributed import is_main_process
 
     if not is_main_process():  # under torchrun only rank 0 reports (and writes)

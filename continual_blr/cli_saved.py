@@ -1,6 +1,7 @@
 """Command line for finished runs: ``continual-blr inspect RUN`` and ``continual-blr predict RUN``.
 
-Registered on the main parser by :func:`add_saved_run_parsers` (see ``continual_blr.cli``). Both read a
+Registered on the main parser by :func:`add_saved_run_parsers` (called by ``continual_blr.cli``; the helpers
+both share are in ``continual_blr.cli_common``). Both read a
 run folder through :mod:`continual_blr.saved_run`; bad input is one line on stderr and exit status 2.
 
 * ``inspect RUN_OR_CONFIG [--method M] [--task T] [--top K] [--out DIR] [--device D] [--threads N]``: the memorable
@@ -20,11 +21,16 @@ import io
 import sys
 from pathlib import Path
 
-from .cli import EXIT_INTERRUPTED, _fail, _read_yaml, _threads
+from .cli_common import EXIT_INTERRUPTED, as_flag
+from .cli_common import fail as _fail
+from .cli_common import read_yaml as _read_yaml
+from .cli_common import threads as _threads
 
 __all__ = ["add_saved_run_parsers"]
 
 _ERRORS = (ValueError, TypeError, KeyError, IndexError)
+_FLAGS = {"method": "--method", "device": "--device", "tasks": "--task", "top": "--top", "out": "--out",
+          "head": "--head", "imports": "--import"}  # a library error's argument -> the flag that sets it
 
 
 def _first_line(err: BaseException) -> str:
@@ -74,10 +80,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # the report is written aside and moved in only once complete: nothing partial is left
         print("continual-blr: inspect interrupted; no report written", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except FileNotFoundError as err:
-        return _fail(_first_line(err))
-    except _ERRORS as err:
-        return _fail(_first_line(err))
+    except (FileNotFoundError, *_ERRORS) as err:  # the Python API names its arguments, the CLI its flags
+        return _fail(as_flag(_first_line(err), _FLAGS))
     if args.method is None:
         others = [m for m in insp.run.methods if m != insp.run.method_name]
         choose = f"; choose another with --method: {', '.join(others)}" if others else ""
@@ -104,7 +108,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     with inputs.open("rb") as fh:
         magic = fh.read(6)
     if magic != b"\x93NUMPY" and not magic.startswith(b"PK"):  # neither .npy nor .npz (e.g. a CSV)
-        return _fail(f"--inputs: {args.inputs} is not a .npy file; allowed: a .npy array [N, *input_shape] or [N, D] "
+        return _fail(f"--inputs: {args.inputs} is not a .npy array (not written by numpy.save); allowed: a .npy array [N, *input_shape] or [N, D] "
                      "(from a CSV: numpy.save('x.npy', numpy.loadtxt('x.csv', delimiter=',', ndmin=2)))")
     try:
         x = np.load(inputs, allow_pickle=False)
@@ -143,11 +147,9 @@ def _cmd_predict(args: argparse.Namespace) -> int:
             mean = run.predict(x.astype(np.float32), head=args.head).cpu()
             header = ["index"] + [f"mean_{k}" for k in range(mean.shape[1])]
             rows = [[i] + [f"{float(v):.6g}" for v in mean[i]] for i in range(mean.shape[0])]
-    except FileNotFoundError as err:
-        return _fail(_first_line(err))
-    except _ERRORS as err:
+    except (FileNotFoundError, *_ERRORS) as err:
         msg = _first_line(err)  # the Python API's "head:" / "pass head=" are the CLI's --head
-        return _fail("--" + msg.replace("pass head=", "pass --head ") if msg.startswith("head:") else msg)
+        return _fail(as_flag(msg.replace("pass head=", "pass --head ") if msg.startswith("head:") else msg, _FLAGS))
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(header)

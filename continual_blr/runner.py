@@ -83,7 +83,7 @@ def set_threads(n: int) -> int:
         ValueError: ``n`` < 1 (one line).
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"--threads: got {n!r}; allowed: an integer >= 1")
+        raise ValueError(f"threads: got {n!r}; allowed: an integer >= 1")
     old = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
@@ -173,7 +173,7 @@ def load_run_config(path: str | Path) -> RunConfig:
     folder = RunFolder(path)
     payload = folder.read_results() if folder.path.is_dir() else None
     if payload is None or "config" not in payload:
-        raise RunNotFoundError(f"--resume: {path} holds no run (no results.json); give a folder written by "
+        raise RunNotFoundError(f"resume: {path} holds no run (no results.json); give a folder written by "
                                "`continual-blr run`")
     cfg = from_dict(RunConfig, payload["config"])
     cfg.out = str(folder.path)
@@ -300,7 +300,7 @@ def _restore(state: dict[str, Any]):
             opt.load_state_dict(state["optimizer"])
         missing = load_generator_states(method, state.get("generators", {}))
         if missing:
-            raise ValueError(f"--resume: the checkpoint's generators {missing} are not in the method; "
+            raise ValueError(f"resume: the checkpoint's generators {missing} are not in the method; "
                              "was it written by another version?")
 
     return restore
@@ -372,7 +372,7 @@ def run_config(cfg: RunConfig, save: bool = True, *, overwrite: bool = False, re
               if save and resume and not finished(mc.name) and (folder.path / mc.name / CHECKPOINT).is_file()}
     for name, state in states.items():  # a resume without the method's carried state would diverge silently
         if state.get("unsaved"):
-            raise ValueError(f"--resume: method {name!r} carries state its state_dict does not save "
+            raise ValueError(f"resume: method {name!r} carries state its state_dict does not save "
                              f"({', '.join(state['unsaved'])}); define state_dict / load_state_dict "
                              "(docs/own_method.md) or run it again from the start")
     if save:

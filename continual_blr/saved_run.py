@@ -281,7 +281,7 @@ def load_run(path: str | Path, method: str | None = None, *, device: str = "cpu"
     names = [m.name for m in config.methods]
     name = method or sub or _default_method(folder, config, prefer_memory)
     if name not in names:
-        raise ValueError(f"--method: the run holds {', '.join(names)}; got {name!r}")
+        raise ValueError(f"method: the run holds {', '.join(names)}; got {name!r}")
     _check_imported(name, failure)
     if registry_name(name) not in METHODS:  # a labelled entry (fromp#2) is its method's
         raise ValueError(f"method: {name!r} is not registered; allowed: {', '.join(sorted(METHODS))}")
@@ -314,9 +314,9 @@ def _check_device(device: str) -> str:
         return dev
     if dev.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise ValueError(f"--device: {dev!r} requested but CUDA is not available; allowed here: 'cpu'")
+            raise ValueError(f"device: {dev!r} requested but CUDA is not available; allowed here: 'cpu'")
         return dev
-    raise ValueError(f"--device: got {dev!r}; allowed: 'cpu', 'cuda', 'cuda:N'")
+    raise ValueError(f"device: got {dev!r}; allowed: 'cpu', 'cuda', 'cuda:N'")
 
 
 def check_config_matches(config: RunConfig, path: str | Path, config_name: str = "the config") -> None:

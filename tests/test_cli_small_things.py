@@ -37,7 +37,7 @@ def test_a_csv_as_inputs_is_one_line_naming_npy(run, tmp_path, capsys):
     np.savetxt(tmp_path / "x.csv", np.zeros((3, 6)), delimiter=",")
     assert main(["predict", str(run), "--inputs", str(tmp_path / "x.csv")]) == 2
     err = _one_line(capsys)
-    assert "--inputs:" in err and "not a .npy file" in err and "pickle" not in err
+    assert "--inputs:" in err and "is not a .npy array" in err and "numpy.loadtxt" in err and "pickle" not in err
 
 
 @pytest.mark.parametrize("argv, suggestion", [

@@ -100,7 +100,7 @@ def test_a_partial_run_loads_its_finished_methods(run_dir, tmp_path):
     assert load_run(part, "fromp").result["method"] == "fromp"
     with pytest.raises(RunNotFoundError, match="'blr' has not finished .*finished: none, fromp"):
         load_run(part, "blr")
-    with pytest.raises(ValueError, match="--method: the run holds none, fromp, blr; got 'ewc'"):
+    with pytest.raises(ValueError, match="^method: the run holds none, fromp, blr; got 'ewc'"):
         load_run(part, "ewc")
     with pytest.raises(RunNotFoundError, match="no results.json"):
         load_run(tmp_path / "empty")

@@ -120,13 +120,13 @@ def inspect_run(
     ids = list(range(n_tasks)) if tasks is None else [int(t) for t in tasks]
     bad = [t for t in ids if not 0 <= t < n_tasks]
     if bad:
-        raise ValueError(f"--task: the stream has {n_tasks} tasks, allowed indices 0..{n_tasks - 1} "
+        raise ValueError(f"tasks: the stream has {n_tasks} tasks, allowed indices 0..{n_tasks - 1} "
                          f"(0-based: the report's task k is index k − 1); got {bad[0]}")
     memory = stored_memory(run)
     if top is None:
         top = max((m["n"] for m in memory.values()), default=DEFAULT_TOP)
     if int(top) < 1:
-        raise ValueError(f"--top: must be >= 1, got {top}")
+        raise ValueError(f"top: must be >= 1, got {top}")
     chosen = [run.stream.tasks[i] for i in ids]
     dev = next(run.model.parameters()).device
     bar = tqdm(total=len(chosen) + 1, desc=f"inspect {run.method_name}", unit="step",
@@ -282,7 +282,7 @@ def write_report(insp: Inspection, out: str | Path, *, progress: bool = False) -
     t0 = time.perf_counter()
     out = Path(out)
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--out: {out} is a file; allowed: a folder")
+        raise ValueError(f"out: {out} is a file; allowed: a folder")
     base = out.parent
     while not base.is_dir():  # the nearest existing folder: nothing is created before the report is complete
         base = base.parent
