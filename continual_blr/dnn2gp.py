@@ -1,8 +1,8 @@
 """DNN2GP (Khan, Immer, Abedi & Korzepa, NeurIPS 2019): a trained network with a Gaussian posterior
 over its weights, seen as a Gaussian process over its outputs.
 
-Linearise the network at the posterior mean θ*: f(x; θ) ≈ f(x; θ*) + J(x)(θ − θ*), J(x) = ∂f(x)/∂θ.
-Under q(θ) = N(θ*, Σ) (a Laplace-GGN posterior, Σ = (Σ_i J_iᵀ Λ_i J_i + δI)⁻¹, or a VOGN / BLR
+Linearise the network at the posterior mean `θ*`: `f(x; θ) ≈ f(x; θ*) + J(x)(θ − θ*)`, `J(x) = ∂f(x)/∂θ`.
+Under `q(θ) = N(θ*, Σ)` (a Laplace-GGN posterior, `Σ = (Σ_i J_iᵀ Λ_i J_i + δI)⁻¹`, or a VOGN / BLR
 posterior) the outputs are jointly Gaussian: a GP with
 
     mean        m(x) = f(x; θ*)                       (``output="logits"``)
@@ -17,7 +17,7 @@ Laplace predictive; on a linear model it is exact Bayesian linear regression.
 
 Regression: the marginal likelihood that chooses the prior precision δ. The Laplace/GGN posterior
 of the network equals the posterior of the linear model ỹ = J θ + ε, ε ~ N(0, σ² I), θ ~ N(0, δ⁻¹ I),
-with pseudo-targets ỹ_i = y_i − f(x_i; θ*) + J(x_i) θ* (Khan et al. 2019, Sec. 3 with Λ = I/σ²).
+with pseudo-targets `ỹ_i = y_i − f(x_i; θ*) + J(x_i) θ*` (Khan et al. 2019, Sec. 3 with Λ = I/σ²).
 Its evidence is the GP marginal likelihood with the DNN2GP prior kernel δ⁻¹ J Jᵀ:
 
     log p(ỹ | δ) = log N(ỹ; 0, δ⁻¹ J Jᵀ + σ² I)        (all N·K outputs, index n·K + k)
@@ -190,7 +190,7 @@ class DNN2GP:
 
     @torch.no_grad()
     def mean(self, x: Tensor) -> Tensor:
-        """m(x): f(x; θ*) or softmax(f(x; θ*)), [N, K] (eval mode)."""
+        """m(x): `f(x; θ*)` or `softmax(f(x; θ*))`, [N, K] (eval mode)."""
         with eval_mode(self.model):
             f = forward(self.model, self._dtype_x(x), self.head)
         return _softmax(f) if self.output == "probs" else f

@@ -6,7 +6,7 @@ Every file a run writes goes through :class:`RunFolder`, which
 * writes whole files atomically: a temporary file in the same folder, then ``os.replace``, so a run
   killed at any moment leaves each file either as it was or complete, never half-written.
 
-Layout (see ``docs/runs.md``)::
+Layout (see ``docs/runs.md``):
 
     <run>/results.json              config + every method's StreamResult so far + progress per method
     <run>/results.md                the table of final accuracies (so far)

@@ -1,7 +1,7 @@
 """Training logs of a run: per-epoch loss and per-task accuracies as CSV in the run folder, and optionally
 TensorBoard events.
 
-Files (per method, see ``docs/runs.md``)::
+Files (per method, see ``docs/runs.md``):
 
     <run>/<method>/train_log.csv   task, epoch, train_loss[, clipped_fraction]   (one row per epoch; from 1)
     <run>/<method>/accuracy.csv    after_task, task, accuracy     (R[i, j] for j <= i, after each task i)

@@ -14,7 +14,7 @@ predictions are the method's own predictive: a Monte-Carlo average over the post
 that define one (``blr``, ``vcl``, ``ivon``, ... with ``predict_samples``), the network's softmax for
 the others (``continual_blr.methods.base.Method.predict_proba``).
 
-Run folder layout read here (other files, e.g. per-task checkpoints or logs, are ignored)::
+Run folder layout read here (other files, e.g. per-task checkpoints or logs, are ignored):
 
     <run>/results.json          {"config": ..., "stream": its description, "results": [...], ...}
     <run>/<method>/model.pt     the network's state_dict     (written when the method finished)

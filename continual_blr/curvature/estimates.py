@@ -5,7 +5,7 @@ Every estimate except the Hessian has the form  C = Σ_b Σ_c u_{b,c} u_{b,c}ᵀ
 with the cotangents v of :mod:`.likelihoods`:
 
 * ``ggn``:               C = Σ_b J_bᵀ Λ_b J_b                  (v = columns of Λ_b^{1/2}, C = K)
-* ``empirical_fisher``:  C = Σ_b ∇ℓ_b ∇ℓ_bᵀ at the observed y_b (v = ∇_f ℓ, per example, C = 1)
+* ``empirical_fisher``:  C = Σ_b ∇ℓ_b ∇ℓ_bᵀ at the observed y_b (`v = ∇_f ℓ`, per example, C = 1)
 * ``mc_fisher``:         C = Σ_b (1/S) Σ_s ĝ_{b,s} ĝ_{b,s}ᵀ, ĝ at ŷ_{b,s} ~ p(y | f_b)   (C = S)
 * ``hessian``:           C = ∇²_θ Σ_b ℓ_b (dense; small models / subsets only)
 

@@ -1,7 +1,7 @@
 """Per-example Jacobians and per-example gradients on ``torch.func`` (chunked).
 
 Both are thin layers over the backpropagation engine (:mod:`._engine`): a pass with cotangents
-v = identity gives the Jacobian rows, a pass with v = ∇_f ℓ gives the per-example gradients.
+v = identity gives the Jacobian rows, a pass with `v = ∇_f ℓ` gives the per-example gradients.
 """
 
 from __future__ import annotations
@@ -78,8 +78,7 @@ def _eigh_rescued(m: Tensor) -> tuple[Tensor | None, Tensor | None]:
 def gram_factor(v: Tensor, rtol: float | None = None) -> Tensor:
     """Fewest cotangents with the same Gram matrix: W [B, C', K] with Σ_c w_c w_cᵀ = Σ_c v_c v_cᵀ per example.
 
-    .. math:: M_b = V_bᵀ V_b = Q_b \\operatorname{diag}(λ_b) Q_bᵀ, \\quad W_b = \\operatorname{diag}(\\sqrt{λ_b})\\, Q_bᵀ
-              \\text{ restricted to the } C' \\text{ largest eigenvalues},
+        M_b = V_bᵀ V_b = Q_b diag(λ_b) Q_bᵀ,    W_b = diag(√λ_b) Q_bᵀ  restricted to the C' largest eigenvalues,
 
     C' = the largest numerical rank in the chunk (eigenvalues above ``rtol · max λ_b``, default
     ``K · eps`` of the dtype: dropped directions carry only rounding error, so every Gram-based estimate
@@ -205,8 +204,7 @@ def per_example_jacobians(
     (bf16 training): autocast is off for the call and bf16 / fp16 arguments are cast to fp32
     (:func:`~continual_blr.mixed_precision.full_precision`).
 
-    .. math:: J[\\theta]_{b,k} = \\partial o_k(x_b) / \\partial \\theta,
-              \\quad o = \\text{output\\_fn}(f_\\theta(x, \\text{head}))  (o = f without output_fn)
+        J[θ]_{b,k} = ∂o_k(x_b) / ∂θ,    o = output_fn(f_θ(x, head))    (o = f without output_fn)
 
     Computed with ``torch.func`` (``functional_call`` + ``vmap`` over examples of ``vjp``, ``vmap`` over
     the K output rows), ``chunk_size`` examples at a time; Linear/Conv2d weight rows are assembled as
@@ -254,7 +252,7 @@ def per_example_grads(
     (:func:`~continual_blr.mixed_precision.full_precision`).
 
     ``loss_fn(logits, y)`` must return per-example losses [B] (``reduction='none'``) and treat examples
-    independently. Computed as J_bᵀ ∇_f ℓ_b: one forward, ∇_f ℓ by ``torch.func.grad`` of Σ_b ℓ_b
+    independently. Computed as `J_bᵀ ∇_f ℓ_b`: one forward, `∇_f ℓ` by ``torch.func.grad`` of `Σ_b ℓ_b`
     with respect to the logits, and one vector-Jacobian product per example (see
     :func:`per_example_jacobians` for the engine, eval mode and chunking).
 

@@ -5,18 +5,18 @@ Everything here acts on a batch of model outputs ``f`` of shape [B, K] and retur
 of shape [B, C, K]: the curvature estimates are all of the form Σ_b Σ_c u_{b,c} u_{b,c}ᵀ with
 u_{b,c} = J_bᵀ v_{b,c}, and only the cotangents v differ:
 
-============================  ==========================================  ===
-estimate                      v_{b,c}                                     C
-============================  ==========================================  ===
-GGN  Σ_b J_bᵀ Λ_b J_b          columns of L_b, Λ_b = L_b L_bᵀ              K
-empirical Fisher Σ_b g_b g_bᵀ  ∇_f ℓ(f_b, y_b)                             1
-MC Fisher                      ∇_f ℓ(f_b, ŷ_{b,s}) / √S, ŷ ~ p(y | f_b)    S
-============================  ==========================================  ===
+| estimate                          | `v_{b,c}`                                     | C |
+|-----------------------------------|-----------------------------------------------|---|
+| GGN `Σ_b J_bᵀ Λ_b J_b`            | columns of `L_b`, `Λ_b = L_b L_bᵀ`            | K |
+| empirical Fisher `Σ_b g_b g_bᵀ`   | `∇_f ℓ(f_b, y_b)`                             | 1 |
+| MC Fisher                         | `∇_f ℓ(f_b, ŷ_{b,s}) / √S`, `ŷ ~ p(y | f_b)`  | S |
 
 Classification (softmax cross-entropy, ℓ = −log softmax(f)_y):
+
     ∇_f ℓ = p − e_y,   Λ = diag(p) − ppᵀ,   L = diag(√p) − p √pᵀ   (column c: √p_c (e_c − p)).
     Check: L Lᵀ = diag(p) − 2ppᵀ + p (√pᵀ√p) pᵀ = diag(p) − ppᵀ since Σ p = 1.
 Regression (Gaussian, ℓ = ‖f − y‖² / (2σ²) + const):
+
     ∇_f ℓ = (f − y)/σ²,   Λ = I/σ²,   L = I/σ,   ŷ = f + σ ε  ⇒  ∇_f ℓ(f, ŷ) = −ε/σ.
 """
 

@@ -1,6 +1,6 @@
 """Every continual_blr method as a plugin for Avalanche's strategies (Naive and other SupervisedTemplates).
 
-Usage — a diff against fine-tuning with Avalanche::
+Usage — a diff against fine-tuning with Avalanche:
 
       strategy = Naive(model=model, optimizer=Adam(model.parameters(), lr=1e-3), train_mb_size=128,
     +                  plugins=[FROMPPlugin("fromp", {"tau": 10.0})],
@@ -14,22 +14,17 @@ or passed in — and answers Avalanche's hooks with that method's own hooks, so 
 posterior and optimiser objects are exactly those ``continual_blr.loop.run_stream`` uses. There is
 no second implementation of any method here; this module only translates:
 
-==============================  ================================================================
-library loop (``loop.py``)       Avalanche hook
-==============================  ================================================================
-``method.setup``                 ``before_training_exp`` of the first experience
-``method.on_task_start``         ``before_training_exp``, with a ``Task`` materialised once from
-                                 ``experience.dataset`` (eval transforms, dataset order)
-``method.make_optimizer``        ``before_training_exp``, only if the method overrides it
-penalty / ``method.loss``        ``before_backward``: ``strategy.loss += regularizer.penalty(...)``;
-                                 a method that overrides ``loss`` replaces the criterion instead
-gradient clipping                ``after_backward`` (``grad_clip``)
-``train_step`` (own optimiser)   ``before_update``; then the strategy's optimiser sees no gradients
-``method.after_step``            ``after_update`` (replay buffers; the ranks' minibatches gathered first)
-``method.on_task_end``           ``after_training_exp`` (posteriors, memories, kernels refreshed)
-``method.predict_proba``         ``after_eval_forward`` (``mb_output`` ← log-probabilities), only if
-                                 the method overrides it
-==============================  ================================================================
+| library loop (``loop.py``)     | Avalanche hook                                                                         |
+|--------------------------------|----------------------------------------------------------------------------------------|
+| ``method.setup``               | ``before_training_exp`` of the first experience                                        |
+| ``method.on_task_start``       | ``before_training_exp``, with a ``Task`` materialised once from ``experience.dataset`` (eval transforms, dataset order) |
+| ``method.make_optimizer``      | ``before_training_exp``, only if the method overrides it                               |
+| penalty / ``method.loss``      | ``before_backward``: ``strategy.loss += regularizer.penalty(...)``; a method that overrides ``loss`` replaces the criterion instead |
+| gradient clipping              | ``after_backward`` (``grad_clip``)                                                     |
+| ``train_step`` (own optimiser) | ``before_update``; then the strategy's optimiser sees no gradients                     |
+| ``method.after_step``          | ``after_update`` (replay buffers; the ranks' minibatches gathered first)               |
+| ``method.on_task_end``         | ``after_training_exp`` (posteriors, memories, kernels refreshed)                       |
+| ``method.predict_proba``       | ``after_eval_forward`` (``mb_output`` ← log-probabilities), only if the method overrides it |
 
 Two ways a minibatch becomes an update, chosen from the method alone (no per-method code):
 

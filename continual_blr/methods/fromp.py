@@ -4,15 +4,13 @@
 Registry names (``continual_blr.methods.METHODS``), all with :class:`FROMPParams` fields and different
 defaults:
 
-============  ==================  =============
-name          kernel              selection
-============  ==================  =============
-fromp         classwise (paper)   lambda
-frorp         classwise           random
-fromp-l2      identity (K = I)    lambda
-fromp-full    full multi-output   lambda
-fromp-kron    classwise, Kron Σ   lambda
-============  ==================  =============
+| name       | kernel            | selection |
+|------------|-------------------|-----------|
+| fromp      | classwise (paper) | lambda    |
+| frorp      | classwise         | random    |
+| fromp-l2   | identity (K = I)  | lambda    |
+| fromp-full | full multi-output | lambda    |
+| fromp-kron | classwise, Kron Σ | lambda    |
 
 Gradient clipping is the loop's ``train.grad_clip`` (the reference code clips at 0.1 on split MNIST).
 

@@ -182,7 +182,7 @@ def _check_settings(prior: GaussianPosterior, n_data: int, lr: float, rho: float
 class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
     """The BLR as a torch optimiser; the model's parameters always hold the posterior mean.
 
-    Algorithm (module docstring; everything scaled to the data set)::
+    Algorithm (module docstring; everything scaled to the data set):
 
         at a task's first step:        D ← N h₀ I                      (if init_hess is set)
         for each step t = 1, 2, …:

@@ -18,7 +18,7 @@ the optimiser exposes as ParamDicts):
 When D and D̄ would be equal (a non-negative curvature, the debiased rate, so D₁ = ĥ₁ whatever the
 start) they share one buffer.
 
-The update (one line of the algorithm per line; :func:`diag_update`)::
+The update (one line of the algorithm per line; :func:`diag_update`):
 
     ĥ = ĝ_data ∘ ε / r                       (Price, one sample: θ − m = ε r, r = (S₀ + D)^{-1/2})
     d = ĝ + S₀ ∘ (m − m₀);   u ← u + (1 − β₁)(d − u)

@@ -19,7 +19,7 @@ signs are fresh, so
 
 the second because k_t is uniform over all P positions and z is standardised to (1/P) Σ z_p² = 1. These two
 moments are all the Price estimate ĥ = ĝ ∘ ε ∘ √(S₀ + D) and the mean step need on a quadratic loss
-(ĝ = H(θ − m*): E[ĝ] = H(m − m*), E[ĥ] = diag H), so the BLR's fixed point on Bayesian linear regression is the
+(`ĝ = H(θ − m*)`: `E[ĝ] = H(m − m*)`, `E[ĥ] = diag H`), so the BLR's fixed point on Bayesian linear regression is the
 one of fresh Gaussian draws (``tests/test_blr_fixed_points.py`` checks it against the mean-field optimum;
 ``tests/test_blr_noise.py`` checks the two moments). Marginally,
 over the pool, ε_t is a sign-flipped rearrangement of a standardised Gaussian vector: N(0, I) up to the

@@ -62,8 +62,8 @@ def nearest_kronecker(terms: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tenso
     """argmin_{A,G} ‖Σ_k A_k ⊗ G_k − A ⊗ G‖_F for symmetric PSD factors.
 
     The rearranged matrix R = Σ_k vec(A_k) vec(G_k)ᵀ has rank ≤ K, so its leading singular pair is
-    found in the span of the factors: with Gram matrices (M_A)_{ij} = ⟨A_i, A_j⟩ and
-    (M_G)_{ij} = ⟨G_i, G_j⟩, the coefficients c of A = Σ c_i A_i are the leading eigenvector of
+    found in the span of the factors: with Gram matrices `(M_A)_{ij} = ⟨A_i, A_j⟩` and
+    `(M_G)_{ij} = ⟨G_i, G_j⟩`, the coefficients c of A = Σ c_i A_i are the leading eigenvector of
     M_G M_A, and G = Σ_i ⟨A_i, A⟩ G_i / ‖A‖². For PSD factors all Gram entries are ≥ 0, so c ≥ 0
     (Perron–Frobenius) and A, G stay PSD.
 

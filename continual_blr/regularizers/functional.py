@@ -51,14 +51,14 @@ Compared outputs (``output=``):
 
 * ``"probs"`` — the paper: Δp and K over the softmax probabilities (above).
 * ``"logits"`` — Δ and K over the **centred logits** f̃ = f − (1/C) Σ_c f_c of the C compared outputs (the logits
-  up to the shift softmax ignores): Δf̃_{s,c} = f̃_c(X_s; θ) − f̃_c(X_s; θ_{t−1}), K_{s,c} = J_{f̃_c} Σ J_{f̃_c}ᵀ + εI —
+  up to the shift softmax ignores): `Δf̃_{s,c} = f̃_c(X_s; θ) − f̃_c(X_s; θ_{t−1})`, `K_{s,c} = J_{f̃_c} Σ J_{f̃_c}ᵀ + εI` —
   no λ = p(1 − p) factors, so a point the network has become certain of keeps its kernel diagonal and its
   gradient. τ is rescaled so that the penalty equals the probability kernel's at unsaturated points:
   J_p = Λ J_f with Λ = diag(p) − ppᵀ = Λ P (P the centring map, f̃ = P f), so in the linearised regime
   Δp = Λ Δf̃ and, for any invertible A, (AΔ)ᵀ (A K Aᵀ)⁻¹ (AΔ) = Δᵀ K⁻¹ Δ. Hence, with ε → 0,
 
-      2-way head (any p):      Δp_cᵀ K_{p,c}⁻¹ Δp_c = Δm²/G = Δf̃_cᵀ K_{f̃,c}⁻¹ Δf̃_c    (m = f_0 − f_1, Λ = λ·[[1,−1],[−1,1]])
-      C-way head at p = 1/C:   Λ = P / C,  Δp_c = Δf̃_c / C,  K_{p,c} = K_{f̃,c} / C²  → the same quadratic form,
+        2-way head (any p):      Δp_cᵀ K_{p,c}⁻¹ Δp_c = Δm²/G = Δf̃_cᵀ K_{f̃,c}⁻¹ Δf̃_c    (m = f_0 − f_1, Λ = λ·[[1,−1],[−1,1]])
+        C-way head at p = 1/C:   Λ = P / C,  Δp_c = Δf̃_c / C,  K_{p,c} = K_{f̃,c} / C²  → the same quadratic form,
 
   so for the kernel-weighted penalties (``classwise``, ``full``, ``kron``) the matching τ is **the same τ**
   (scale s = 1), exactly for 2-way heads and at the uniform prediction of a C-way head, approximately between.

@@ -10,20 +10,18 @@ structure (diag / kron / full); the penalty only needs S v, i.e. ``posterior.qua
 between the methods is how a term is built at the end of task t from the curvature C_t of the summed
 loss Σ_i ℓ_i at θ*_t (``continual_blr.curvature``):
 
-=============  ==========================================================  ======================
-method         term update at the end of task t                             c
-=============  ==========================================================  ======================
-EWC separate   append (θ*_t, C_t / N_t)            (diag Fisher, a mean)    λ
-EWC online     (θ*_t, γ S_{t−1} + C_t / N_t)       (Schwarz et al. 2018)    λ
-Laplace        (θ*_t, S_{t−1} + C_t / T),  S_0 = δ I, m_0 = 0               1 / N_t
-L2             (θ*_t, diag(u)), u_j = 1 if a past task used θ_j, else 0      λ
-=============  ==========================================================  ======================
+| method       | term update at the end of task t                                    | c         |
+|--------------|---------------------------------------------------------------------|-----------|
+| EWC separate | append `(θ*_t, C_t / N_t)` (diag Fisher, a mean)                    | λ         |
+| EWC online   | `(θ*_t, γ S_{t−1} + C_t / N_t)` (Schwarz et al. 2018)               | λ         |
+| Laplace      | `(θ*_t, S_{t−1} + C_t / T)`, `S_0 = δ I`, `m_0 = 0`                 | `1 / N_t` |
+| L2           | `(θ*_t, diag(u))`, `u_j = 1` if a past task used `θ_j`, else 0      | λ         |
 
 Scaling. The loop minimises the *mean* loss (1/N_t) Σ_i ℓ_i + penalty. A Bayesian prior term
 ½ (θ − m)ᵀ S (θ − m) belongs next to the *summed* loss, so Laplace divides it by the current task's N_t
 (``divide_by_n=True``): the objective is then (1/N_t) × the negative log joint, and its minimiser is
-the MAP of sequential Bayes. EWC uses the per-example-mean Fisher F̄_t = C_t / N_t (Kirkpatrick et al.
-2017) and no 1/N_t, so λ = N_{t−1} / N_t reproduces the Bayesian weight and λ ≫ 1 over-counts the past.
+the MAP of sequential Bayes. EWC uses the per-example-mean Fisher `F̄_t = C_t / N_t` (Kirkpatrick et al.
+2017) and no `1/N_t`, so `λ = N_{t−1} / N_t` reproduces the Bayesian weight and λ ≫ 1 over-counts the past.
 
 Parameters: ``penalty(..., params=...)`` evaluates at a ParamDict (functional calls, e.g. inside the
 BLR's ``torch.func`` transforms); without ``params`` it uses the model's own parameters.
@@ -99,13 +97,13 @@ class GaussianPrior:
 
         penalty(θ) = (c/2) Σ_k (θ − m_k)ᵀ S_k (θ − m_k),   c = scale / N_t if ``divide_by_n`` else scale
 
-    At the end of task t (``on_task_end``) the curvature C_t of Σ_i ℓ_i at θ*_t (the model's weights) is
+    At the end of task t (``on_task_end``) the curvature C_t of Σ_i ℓ_i at `θ*_t` (the model's weights) is
     computed by ``continual_blr.curvature`` and becomes the new precision contribution
     ``curvature_scale · C_t`` (``curvature_scale="mean"`` means 1/N_t):
 
-    * ``mode="separate"``: append the term (θ*_t, curvature_scale · C_t);
-    * ``mode="online"``: replace the single term by (θ*_t, γ S_{t−1} + curvature_scale · C_t), starting
-      from S_0 = δ I, m_0 = 0 when ``prior_precision`` δ > 0 (then task 1 is penalised too).
+    * ``mode="separate"``: append the term `(θ*_t, curvature_scale · C_t)`;
+    * ``mode="online"``: replace the single term by `(θ*_t, γ S_{t−1} + curvature_scale · C_t)`, starting
+      from `S_0 = δ I`, `m_0 = 0` when ``prior_precision`` δ > 0 (then task 1 is penalised too).
 
     Args:
         structure: ``diag`` | ``kron`` | ``full`` — the precision structure of every term.
