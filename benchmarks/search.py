@@ -193,13 +193,23 @@ def run_point(base, params: dict[str, Any], label: str, seed: int, validation: f
     path = _record_path(runs_dir / scenario / _mode(cfg.quick, validation), label, seed, key)
     if path.is_file() and not force:
         stored = json.loads(path.read_text())
-        if stored.get("key") == key and run_records.is_current(stored):
+        if stored.get("key") == key and run_records.currency(stored)[0]:
             return stored
-    origin = run_records.provenance(cfg.device)
+    origin = run_records.run_provenance(cfg.device)
+    from continual_blr.runner import _train_for
+    from fingerprint import ExecutedCode
+
+    executed = ExecutedCode(run_records.imported_package_dir())  # the code this run executes (records.currency)
+    started = run_records.now_utc()
     t0, c0 = time.perf_counter(), time.process_time()
-    result = run_config(cfg, save=False)[0]
+    with executed:
+        result = run_config(cfg, save=False,
+                            on_epoch=executed.epoch_hook(_train_for(cfg, cfg.methods[0].train).epochs))[0]
     record = result.to_dict() | {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
-                                 "params": dict(params), "validation": validation, "key": key} | origin
+                                 "params": dict(params), "validation": validation, "key": key} | origin | {
+        "started": started, "ended": run_records.now_utc(),
+        "fingerprint": run_records._fingerprint.source_hashes(executed.entries(),
+                                                              run_records.imported_package_dir().parent)}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=2))
@@ -316,6 +326,7 @@ def write_report(out: Path, *, benchmark: str, config: str, base, grid: dict[str
 
 def main(argv: list[str] | None = None) -> int:
     """Run the grid × seeds on the validation stream, write the table, optionally test the choice."""
+    run_records.process_start()  # commit and dirty flag as they are when the command starts
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("benchmark", help="a folder of configs/ (split_digits, split_mnist, permuted_mnist, ...)")
     ap.add_argument("config", help="the base config's name in that folder (ewc, laplace, laplace_diag, l2, ...)")
