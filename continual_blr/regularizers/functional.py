@@ -639,7 +639,10 @@ class FunctionalRegularizer:
             "fisher": None if self.fisher is None else dict(self.fisher),
             "kron": {w: dict(st) for w, st in self.kron.items()},
             "memory": self.memory.state_dict(),
-            "health": [[dict(r) for r in rebuild] for rebuild in self.health],
+            # floats as float64 tensors: statistics of kernels, compared with a tolerance (another device or a
+            # data-parallel run rounds them differently), not as exact Python values
+            "health": [[{k: torch.tensor(v, dtype=torch.float64) if isinstance(v, float) else v for k, v in r.items()}
+                        for r in rebuild] for rebuild in self.health],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -649,7 +652,8 @@ class FunctionalRegularizer:
         if cfg and cfg.get("output", "probs") != self.output:
             raise ValueError(f"state: saved with output {cfg.get('output', 'probs')!r}, this regulariser uses "
                              f"{self.output!r}")
-        self.health = [[dict(r) for r in rebuild] for rebuild in state.get("health", [])]
+        self.health = [[{k: float(v) if isinstance(v, Tensor) else v for k, v in r.items()} for r in rebuild]
+                       for rebuild in state.get("health", [])]
         self.class_incremental = bool(cfg.get("class_incremental", self.class_incremental))
         self.fisher = None if state.get("fisher") is None else dict(state["fisher"])
         self.kron = {w: dict(st) for w, st in state.get("kron", {}).items()}
