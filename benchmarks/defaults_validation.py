@@ -9,7 +9,7 @@ Each row is ``build_method(name, params)`` (``params`` empty: the library defaul
 ``TrainConfig(epochs=10)`` on ``make_stream("split_digits", scenario)`` with 20 % of every task's training data
 held out and evaluated on (``hold_out_validation``; the test set is never read), MLP 64-100-100, seeds 0-2, task
 and class scenarios. ``--specs`` names a JSON list of ``[scenario, method, params]`` rows instead: the search the
-defaults were chosen by (``benchmarks/results/search_defaults_split_digits.md``). A row whose run diverges scores
+defaults were chosen by (``benchmarks/results/search/search_defaults_split_digits.md``). A row whose run diverges scores
 NaN for that seed.
 """
 

@@ -17,7 +17,7 @@ kilobytes per run). A record is reused when the command is repeated only while i
 is the one it ran on) and made with the config's method settings; otherwise the run is redone. Every record is
 written as soon as its run finishes, so an interrupted command loses at most the run in progress.
 
-The summary goes to ``benchmarks/results/<benchmark>[_<scenario>][_quick].md``: final average accuracy
+The summary goes to ``benchmarks/results/tables/<benchmark>[_<scenario>][_quick].md``: final average accuracy
 mean ± std over seeds, the number of seeds, scenario, what each method stored of past examples, wall and CPU time
 per run, the published reference number beside ours, how many of the row's records are current and their
 commits; plus ``..._curves.png``, the average accuracy after each task per method. The table covers every record
@@ -534,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs-dir", default=str(run_records.RECORDS_DIR),
                         help="where run records are stored (default: benchmarks/records/, committed)")
     parser.add_argument("--configs-dir", default=str(ROOT / "configs"))
-    parser.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results" / "tables"))
     parser.add_argument("--threads", type=int, help="torch threads, intra- and inter-op (default: torch's); 1 is often "
                         "faster on a shared machine (docs/runs.md)")
     parser.add_argument("--only-this-command", action="store_true",

@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs-dir", default=str(run_records.RECORDS_DIR / "search"),
                     help="where the runs' records are stored (default: benchmarks/records/search/, committed)")
     ap.add_argument("--configs-dir", default=str(ROOT / "configs"))
-    ap.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results" / "search"))
     ap.add_argument("--out", help="table file (default: see the module docstring)")
     args = ap.parse_args(argv)
     from continual_blr.data.builders import check_validation

@@ -1,4 +1,4 @@
-"""Summarise the split CIFAR-10 runs into ``benchmarks/results/split_cifar10_cpu_budget.md``.
+"""Summarise the split CIFAR-10 runs into ``benchmarks/results/archive/split_cifar10_cpu_budget.md``.
 
 The runs themselves are made by the shared drivers (stored under ``benchmarks/runs/``, not committed):
 
@@ -6,7 +6,7 @@ The runs themselves are made by the shared drivers (stored under ``benchmarks/ru
         --data-dir $CONTINUAL_BLR_DATA --threads 1
     python benchmarks/search.py split_cifar10/cpu_budget ewc --grid lam=100,10000 --seeds 0 \\
         --validation 0.1 --then-test 0 1 2 --data-dir $CONTINUAL_BLR_DATA --threads 1 \\
-        --out benchmarks/results/search_split_cifar10_ewc.md
+        --out benchmarks/results/search/search_split_cifar10_ewc.md
 
 then
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--protocol", default="cpu_budget", help="folder under configs/split_cifar10 (cpu_budget, ...)")
     ap.add_argument("--device", default="CPU, 1 torch thread (shared 2-core machine)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "split_cifar10_cpu_budget.md"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "archive" / "split_cifar10_cpu_budget.md"))
     args = ap.parse_args(argv)
     text = report(args.protocol, args.device)
     out = Path(args.out)

@@ -22,7 +22,7 @@ head). A finished (row, scenario, seed) is a run record (``benchmarks/records.py
 hash, versions, resolved params) at ``<records>/split_digits/<scenario>/table/<label>_seed<seed>.json``, reused
 while its method config (name + params) is unchanged and it ran on the current library; a record that is
 replaced moves to ``table/superseded/`` and stays listed under the table. The table in
-``benchmarks/results/split_digits.md`` is generated from the records alone (``table_from_records``; also by
+``benchmarks/results/tables/split_digits.md`` is generated from the records alone (``table_from_records``; also by
 ``python benchmarks/tables.py``, whose ``--check`` CI runs): the final average accuracy (mean ± sample std over
 seeds), the paired difference to "none" on the same seeds, forgetting, the CPU time per run, and per row the
 library versions and commits of its records.
@@ -30,7 +30,7 @@ library versions and commits of its records.
 ``--validation F`` runs every row on the *validation stream* instead (``F`` of each task's training
 data held out and evaluated on, the test set unused; ``stream.validation``): its records are stored under
 ``<records>/split_digits/<scenario>/table_validation<F>/`` and its table goes to
-``benchmarks/results/split_digits_validation.md``
+``benchmarks/results/tables/split_digits_validation.md``
 and says "validation" in its title. Hyper-parameters are chosen there (``benchmarks/search.py``).
 """
 
@@ -406,10 +406,10 @@ def report(records: Records, seeds: list[int], validation: float = 0.0,
         "never the test set (`python benchmarks/search.py split_digits <config> --scenario <s> --grid ...`; grids, "
         "scores and choices in `benchmarks/results/search_split_digits_<config>[_class].md`); each has a class config "
         "because one head per task needs a plastic trunk and one 10-way head needs the old classes held hard. "
-        "blr: the library defaults, chosen on validation runs (`benchmarks/results/search_blr.md`); the blr "
+        "blr: the library defaults, chosen on validation runs (`benchmarks/results/search/search_blr.md`); the blr "
         "rows after the first are ablations of `blr.yaml`, not tuned on their own. The library-default rows of "
         "laplace, vcl and ivon: the defaults chosen on validation in the README quickstart's form "
-        "(`benchmarks/results/search_defaults_split_digits.md`). The other vcl rows: see each YAML's first line. FROMP rows are not tuned (the reference code's values).",
+        "(`benchmarks/results/search/search_defaults_split_digits.md`). The other vcl rows: see each YAML's first line. FROMP rows are not tuned (the reference code's values).",
         "",
         "λ-equiv.: the strength on EWC's scale (task / class where the two configs differ). EWC adds "
         "(λ/2) Σ_k F̄_k (θ − θ*_k)² to the mean loss, F̄_k the per-example-mean Fisher of past task k, so λ = N_k/N_t "
@@ -454,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     ap.add_argument("--records-dir", default=str(run_records.RECORDS_DIR),
                     help="records root (default benchmarks/records/, committed)")
-    ap.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"),
+    ap.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results" / "tables"),
                     help="where split_digits.md (split_digits_validation.md with --validation) is written")
     ap.add_argument("--validation", type=float, default=0.0, metavar="FRACTION",
                     help="evaluate on this held-out fraction of each task's training data instead of the test set")

@@ -25,7 +25,7 @@ __all__ = ["check_device", "check_seed", "label_methods", "ConfigError", "Stream
 SPLIT_DIGITS_BLR: dict[str, Any] = {}
 """BLR parameters of the embedded split-digits run (configs/split_digits/blr.yaml): the library defaults of
 ``BLRParams`` (GGN ĥ, debiased precision rate, α 0.03, step clip 0.3, ess 20, δ 100, T 0.01), chosen on a
-validation split of the training data (benchmarks/results/search_blr.md)."""
+validation split of the training data (benchmarks/results/search/search_blr.md)."""
 SPLIT_DIGITS_FROMP: dict[str, Any] = {"tau": 10.0, "n_points": 40, "prior_precision": 1e-3, "jitter": 1e-6,
                                       "classes": "task"}
 """FROMP parameters of the embedded run: the reference code's split-MNIST values (not tuned)."""

@@ -178,7 +178,7 @@ def shard(t: Tensor) -> Tensor:
 class Traffic:
     """Bytes this process sent into collectives (payload sizes, not the wire protocol's), by kind.
 
-    The benchmark (``benchmarks/perf_distributed.py``) resets and reads :data:`TRAFFIC`.
+    The benchmark (``benchmarks/perf/perf_distributed.py``) resets and reads :data:`TRAFFIC`.
     """
 
     def __init__(self) -> None:

@@ -379,8 +379,17 @@ def test_split_digits_rows_name_existing_configs_per_scenario():
 # ----------------------------------------------------------------------------- validation runs and searches
 
 
+def _script_path(name: str) -> Path:
+    """A benchmarks script by name: the suite at the top of benchmarks/, perf/ and diagnose/ apart."""
+    for folder in ("", "perf", "diagnose"):
+        path = ROOT / "benchmarks" / folder / f"{name}.py"
+        if path.is_file():
+            return path
+    raise FileNotFoundError(name)
+
+
 def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", _script_path(name))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -820,10 +829,10 @@ def test_an_interrupted_equivalence_check_keeps_the_rows_it_verified(tmp_path, m
 
 
 def test_fromp_divergence_diagnosis_traces_penalty_kernels_and_validation_accuracy(tmp_path):
-    """``benchmarks/diagnose_fromp_divergence.py`` on a tiny synthetic FROMP run: one trace row per epoch with the
+    """``benchmarks/diagnose/diagnose_fromp_divergence.py`` on a tiny synthetic FROMP run: one trace row per epoch with the
     penalty (zero on task 1, which has no past; positive on task 2) and pre-clip gradient norms, the kernels of the
     stored task at task 2's start (eigenvalues at least the jitter), and validation accuracies per task end."""
-    spec = importlib.util.spec_from_file_location("diagnose", ROOT / "benchmarks" / "diagnose_fromp_divergence.py")
+    spec = importlib.util.spec_from_file_location("diagnose", ROOT / "benchmarks" / "diagnose" / "diagnose_fromp_divergence.py")
     diagnose = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(diagnose)
     config = tmp_path / "fromp.yaml"

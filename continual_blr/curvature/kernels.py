@@ -29,7 +29,7 @@ its inputs a_m and the backpropagated output gradients g_{m,c}, so that J_{m,c}[
 ``method="jvp"`` builds the kernel column by column as K e = J Σ (Jᵀ e): ``torch.func.vjp`` then Σ ⊙,
 then ``torch.func.jvp`` (vectorised with ``vmap`` over the unit vectors, ``chunk_size`` at a time);
 :func:`kernel_vector_product` uses the same two passes for a single vector. Both are exact; the
-structured path is the faster one for the FROMP sizes (see ``benchmarks/results/perf_curvature.md``).
+structured path is the faster one for the FROMP sizes (see ``benchmarks/results/perf/perf_curvature.md``).
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ class FunctionalParams:
             classes at its points (default), or ``"all"`` the head's outputs. With ``"all"`` the
             kernels of classes the task never saw are ≈ εI (p_c ≈ 0 there, so J_{p_c} ≈ 0), K⁻¹ ≈ 1/ε
             forbids any new class from gaining probability at old points, and without replay later tasks
-            are not learned (split digits, class scenario: 32 % vs 82 %, benchmarks/results/split_digits.md).
+            are not learned (split digits, class scenario: 32 % vs 82 %, benchmarks/results/tables/split_digits.md).
             On real split MNIST both collapse and the order flips (33.2 % vs 28.5 %, split_mnist_class.md);
             with replay of the points' labels ``"all"`` is the better choice there (docs/replay.md).
         chunk_size: examples per pass of the curvature engine (None: its default).

@@ -19,7 +19,7 @@ there). D is the step's precision; what is carried is the debiased average D̄ o
 upward bias ½ρE[(D − ĥ)²]/(s₀ + D) reaches it, and a head no example touched keeps its prior exactly
 (:mod:`continual_blr.optim.blr`).
 
-What this costs and buys (measured, ``benchmarks/results/perf_blr.md`` and ``split_digits.md``): a step
+What this costs and buys (measured, ``benchmarks/results/perf/perf_blr.md`` and ``split_digits.md``): a step
 is one forward and backward pass plus elementwise work, like IVON's; but a one-sample Price estimate of a
 task's curvature is noisy (its spread is ~√N·|ĝ|/√h times the signal), so within the few hundred steps
 of a task its D̄ is a much noisier carried precision than the GGN of the ``blr`` method (relative standard
@@ -41,7 +41,7 @@ class IVONParams:
 
     Defaults: IVON's step (β₂ 0.999, h₀ 0.01, δ 100, clip 0.3) with ``carry: ggn``, T = 0.001 and ess 50, chosen
     on validation splits of split digits in the README quickstart's form
-    (``benchmarks/results/search_defaults_split_digits.md``; ess 50 over 20 in the redone search,
+    (``benchmarks/results/search/search_defaults_split_digits.md``; ess 50 over 20 in the redone search,
     ``search_defaults_redo.md``): the carried average of one-sample Price estimates,
     clamped at 0 and divided by T, is precision that no data asked for (no T of the grid beat ``none`` in the
     task scenario with it); the GGN carry did, in both scenarios.

@@ -44,7 +44,7 @@ class LaplaceParams:
     """Parameters of online Laplace.
 
     Defaults: δ = 1e-6 and T = 0.01, chosen on validation splits of split digits in the README quickstart's form
-    (``benchmarks/results/search_defaults_split_digits.md``): the only T of the grid above ``none`` in both the
+    (``benchmarks/results/search/search_defaults_split_digits.md``): the only T of the grid above ``none`` in both the
     task and the class scenario. A δ of order 1 is not harmless under Adam: once a task's data gradient has
     vanished, Adam rescales the prior's small pull toward 0 into steps of size lr (δ = 1: 88.9 against none's 95.9
     in the task scenario, with no carried curvature at all).

@@ -45,7 +45,7 @@ above is slower: the gradient there scales with σ², and Adam's second moment r
 early gradients. On split digits (~100 steps per task) validation chose 0.03 with 0.01 on the means:
 the variances travel ≤ 3 there, a compromise with the jitter.
 
-What this does to the benchmarks (``benchmarks/results/vcl_split_mnist.md``): on split MNIST the learnt
+What this does to the benchmarks (``benchmarks/results/archive/vcl_split_mnist.md``): on split MNIST the learnt
 variances are a far better ELBO (task 1: −ELBO/N 0.91 against the natural-gradient form's 49.7) whose
 weights mostly keep the prior's variance, so the carried prior holds few weights and VCL-bbb forgets
 (79.9; 93.6 with the old step); the ``vogn`` form scores 98.3 (99.2 with the coreset).
@@ -101,7 +101,7 @@ class VCLParams:
 
     Defaults: the natural-gradient (VOGN) form with VCL's coreset, 40 examples per task chosen by k-center
     (Nguyen et al. 2018's split-MNIST coreset size), fine-tuned on before prediction. Chosen on validation splits
-    of split digits in the README quickstart's form (``benchmarks/results/search_defaults_split_digits.md``):
+    of split digits in the README quickstart's form (``benchmarks/results/search/search_defaults_split_digits.md``):
     without a coreset no setting of the grid beat ``none`` in the task scenario (the T = 1 posterior of ~200
     examples per task is wide, and its samples underfit); ``coreset_size: 0`` is VCL without one.
 
@@ -113,7 +113,7 @@ class VCLParams:
             0 being the delta method θ = μ).
         predict_samples: Monte-Carlo samples averaged at prediction (0: the mean network).
         lr: bbb: Adam's step on μ (None: ``train.lr``); vogn: the BLR's mean step α (None: 0.1, chosen on
-            split digits validation: ``benchmarks/results/search_defaults_redo.md``).
+            split digits validation: ``benchmarks/results/search/search_defaults_redo.md``).
         log_var_lr: bbb only: Adam's step on log σ² (module docstring; None: the same as ``lr``).
         estimator: bbb only: ``"weights"`` (θ_s = μ + σ ∘ ε_s shared by the minibatch) or ``"local"`` (the
             local reparameterisation: per-example pre-activation draws; only for ``nn.Linear`` parameters).
