@@ -37,6 +37,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ import records as run_records  # noqa: E402
 
 ROOT = HERE.parent
 KERNEL_PATHS = ("", "default")
+PARALLEL = int(os.environ.get("SIDE_BY_SIDE_JOBS", "2"))  # probe processes at once (each one thread)
 TABLE_FOLDER = re.compile(r"^((full|quick)(_validation[0-9.]+)?|table(_validation[0-9.]+)?)$")  # ATEN_CPU_CAPABILITY: "" = the machine's default dispatch
 
 
@@ -106,10 +108,11 @@ def compare(items: list[tuple[Path, list[str]]], old_root: Path, new_root: Path,
     and kernel path for all of them — and give each its verdict and evidence."""
     paths = [p for p, _ in items]
     pairs: list[list[dict]] = [[] for _ in items]
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max_workers=PARALLEL) as pool:
+        jobs = {(kernel, side): pool.submit(probe, paths, root, Path(tmp) / f"{side}{kernel}.json", kernel, extra)
+                for kernel in kernels for side, root in (("old", old_root), ("new", new_root))}
         for kernel in kernels:
-            old = probe(paths, old_root, Path(tmp) / f"old{kernel}.json", kernel, extra)
-            new = probe(paths, new_root, Path(tmp) / f"new{kernel}.json", kernel, extra)
+            old, new = jobs[(kernel, "old")].result(), jobs[(kernel, "new")].result()
             for i, (o, n) in enumerate(zip(old, new)):
                 same = o["acc_matrix"] == n["acc_matrix"] and o["train_loss"] == n["train_loss"]
                 pairs[i].append({"kernel": kernel or "machine default", "equal": same, "fingerprint": n["fingerprint"],
