@@ -20,23 +20,52 @@ the carried posterior (Ritter et al.'s λ = 1/T). Structures of S (``structure``
 ``subset: last_layer`` keeps the Gaussian over the output layer only (all heads of a multi-head
 network); the body is then trained without a penalty. The penalty is the shared
 :class:`~continual_blr.regularizers.weight_space.GaussianPrior`.
+
+**Predictive** (``predictive``). ``map`` (default): softmax(f(x; `θ*_t`)), the network's own prediction. ``glm``: the
+linearised (GLM) predictive of the carried posterior N(`θ*_t`, S_t⁻¹) with the probit approximation, logit by logit,
+
+    p(y = k | x) ≈ softmax_k( f_k(x; θ*_t) / sqrt(1 + (π/8) · [J(x) S_t⁻¹ J(x)ᵀ]_kk ),
+
+the variant laplace-torch 0.3 uses for ``pred_type='glm', link_approx='probit'`` (``kappa = 1/sqrt(1 + π/8 ·
+diag(f_var))``, then ``softmax(kappa · f_mu)``). Σ = S_t⁻¹ as carried, S_t = δI + Σ_t C_t / T: the same as
+laplace-torch's posterior precision H/T + δ with ``temperature=T`` (σ = 1). J from per-example ``torch.func``
+Jacobians; S_t⁻¹ applied by the posterior (diagonal, Kronecker: no P×P matrix;
+:mod:`continual_blr.posteriors.predictive`). Regression is unchanged (the GLM predictive mean is f(x; `θ*_t`)).
+
+**Marginal-likelihood δ** (``marglik``). At the end of every task the prior precision `δ̂_t` that maximises the
+Laplace evidence of all data seen so far is found, with `θ*_t` and H_t = Σ_{s≤t} C_s / T held fixed:
+
+    log p(D_1:t | δ) ≈ log p(D_1:t | θ*_t) − ½ δ ‖θ*_t‖² + ½ P log δ − ½ log det(H_t + δI)
+
+(m_0 = 0; one root of γ(δ) = δ ‖`θ*_t`‖², γ = Σ_i λ_i/(λ_i + δ) over the eigenvalues λ_i of H_t, from its diagonal /
+Kronecker / dense structure; :mod:`continual_blr.posteriors.marglik`). ``report`` (default): recorded per task in
+``results.json`` (``memory.marglik_prior_precision``, one δ̂ per finished task), nothing else changes. ``use``: the
+carried posterior's δ is replaced by `δ̂_t` (`S_t = δ̂_t I + H_t`), which the next task's penalty and the GLM predictive
+then use; a δ̂ of 0 or ∞ (no curvature, or `θ*_t` = 0) keeps the δ before it. ``off``: not computed.
 """
 
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass
+from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
-from ..data.stream import TaskStream
-from ..posteriors import GaussianPosterior
+from ..data.stream import Task, TaskStream
+from ..posteriors import DiagPosterior, FullPosterior, GaussianPosterior, KronPosterior
+from ..posteriors.marglik import marglik_prior_precision
+from ..posteriors.predictive import PREDICTIVES, for_prediction, glm_logit_variance, probit_softmax
 from ..regularizers.weight_space import GaussianPrior
 from ..types import Curvature, Structure, parse_enum
 from .base import Method, TrainConfig
 
-__all__ = ["LaplaceParams", "LaplaceMethod", "SUBSETS"]
+__all__ = ["LaplaceParams", "LaplaceMethod", "SUBSETS", "PREDICTIVES", "MARGLIK"]
 
 SUBSETS = ("all", "last_layer")
+MARGLIK = ("off", "report", "use")
 
 
 @dataclass
@@ -55,6 +84,9 @@ class LaplaceParams:
         temperature: T; the carried precision adds C_t / T (T < 1: a colder, stronger prior).
         curvature: ``"ggn"`` (default), ``"empirical_fisher"`` or ``"mc_fisher"``.
         subset: ``"all"`` parameters or the ``"last_layer"``.
+        predictive: ``"map"`` (the network's softmax) or ``"glm"`` (linearised, probit; module docstring).
+        marglik: the evidence-maximising δ per task: ``"off"``, ``"report"`` (recorded only) or ``"use"`` (it
+            becomes the carried posterior's δ); module docstring.
     """
 
     structure: str = "kron"
@@ -62,6 +94,8 @@ class LaplaceParams:
     temperature: float = 0.01
     curvature: str = "ggn"
     subset: str = "all"
+    predictive: str = "map"
+    marglik: str = "report"
 
     def __post_init__(self) -> None:
         parse_enum(Structure, self.structure, "params.structure")
@@ -74,6 +108,11 @@ class LaplaceParams:
             raise ValueError("params.curvature: allowed: 'ggn', 'empirical_fisher', 'mc_fisher'")
         if self.subset not in SUBSETS:
             raise ValueError(f"params.subset: got {self.subset!r}; allowed: {', '.join(map(repr, SUBSETS))}")
+        if self.predictive not in PREDICTIVES:
+            raise ValueError(f"params.predictive: got {self.predictive!r}; allowed: "
+                             f"{', '.join(map(repr, PREDICTIVES))}")
+        if self.marglik not in MARGLIK:
+            raise ValueError(f"params.marglik: got {self.marglik!r}; allowed: {', '.join(map(repr, MARGLIK))}")
 
 
 class LaplaceMethod(Method):
@@ -90,9 +129,74 @@ class LaplaceMethod(Method):
             param_names="last_layer" if p.subset == "last_layer" else None, generator=self.generator,
         )
 
+        self.delta = p.prior_precision  # the δ inside the carried precision (changes only with marglik: use)
+        self.marglik_deltas: list[float] = []  # δ̂ of each finished task (marglik: report / use)
+        self._predictive: tuple[GaussianPosterior, GaussianPosterior] | None = None  # (carried, prepared) cache
+
     def setup(self, model: nn.Module, stream: TaskStream, train: TrainConfig) -> None:
         self.regularizer.setup(model)
+        self.delta = self.params.prior_precision
+        self.marglik_deltas = []
 
     def posterior(self, model: nn.Module | None = None) -> GaussianPosterior | None:
         """The carried Laplace posterior N(m_t, S_t⁻¹) (``model`` unused; see :meth:`BLRMethod.posterior`)."""
         return self.regularizer.posterior()
+
+    def on_task_end(self, model: nn.Module, task: Task, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Fold the task into the posterior; then the marginal-likelihood δ̂ (module docstring)."""
+        super().on_task_end(model, task, optimizer)
+        post = self.posterior()
+        if self.params.marglik == "off" or post is None:
+            return
+        delta = marglik_prior_precision(post, self.delta)
+        self.marglik_deltas.append(delta)
+        if self.params.marglik != "use":
+            return
+        if not 0 < delta < math.inf:
+            warnings.warn(f"laplace: the marginal-likelihood δ of task {task.task_id} is {delta}; keeping δ = "
+                          f"{self.delta}", RuntimeWarning, stacklevel=2)
+            return
+        self.regularizer.set_prior(_with_delta(post, self.delta, delta))
+        self.delta = delta
+
+    @torch.no_grad()
+    def predict_proba(self, model: nn.Module, x: Tensor, head: int) -> Tensor:
+        """``map``: softmax(f(x; θ)); ``glm``: the probit GLM predictive of the carried posterior (module docstring),
+        linearised at the model's weights (`θ*_t` after a task)."""
+        post = self.posterior() if self.params.predictive == "glm" else None
+        if post is None:
+            return super().predict_proba(model, x, head)
+        if self._predictive is None or self._predictive[0] is not post:
+            self._predictive = (post, for_prediction(post))
+        f, var = glm_logit_variance(model, self._predictive[1], x, head=head)
+        return probit_softmax(f, var).to(x.dtype if x.is_floating_point() else f.dtype)
+
+    def memory_stats(self) -> dict[str, Any]:
+        """No stored examples; ``marglik_prior_precision``: δ̂ of each finished task (unless ``marglik: off``)."""
+        stats = super().memory_stats()
+        if self.params.marglik != "off":
+            stats["marglik_prior_precision"] = list(self.marglik_deltas)
+        return stats
+
+    def state_dict(self) -> dict[str, Any]:
+        """Also δ and the δ̂ per task, as float64 tensors (compared with a tolerance, as FROMP's health records: a
+        data-parallel run's curvature, hence δ̂, may differ from one process's in the last bits)."""
+        return super().state_dict() | {"delta": torch.tensor(self.delta, dtype=torch.float64),
+                                       "marglik_deltas": torch.tensor(self.marglik_deltas, dtype=torch.float64)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.delta = float(state.get("delta", self.params.prior_precision))  # absent in files from before marglik
+        self.marglik_deltas = [float(d) for d in state.get("marglik_deltas", [])]
+
+
+def _with_delta(post: GaussianPosterior, old: float, new: float) -> GaussianPosterior:
+    """The posterior with precision S − old·I + new·I (the prior's δ replaced; the curvature kept)."""
+    if isinstance(post, KronPosterior):
+        return KronPosterior(post.mean, post.blocks, post.diag, new)
+    if isinstance(post, DiagPosterior):
+        return DiagPosterior(post.mean, {k: s + (new - old) for k, s in post.precision.items()})
+    if isinstance(post, FullPosterior):
+        eye = torch.eye(post.precision.shape[0], dtype=post.precision.dtype, device=post.precision.device)
+        return FullPosterior(post.mean, post.precision + (new - old) * eye)
+    raise TypeError(f"unsupported posterior type {type(post).__name__}")
