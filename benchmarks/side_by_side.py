@@ -20,6 +20,8 @@ code did change, this script runs, for the lowest seed of each stale row (record
 An equivalent row's changed entries are appended, old hash → new hash, to ``<records>/equivalent_code.json`` for
 that folder and row, and the entries today's probe executed that the records lack are added to their fingerprints
 (``carried_over`` in each record says when and from which probe), so a later edit of moved code stales them too.
+When the new library is a clean commit (a worktree of it, ``--new-root``), each record is rebased onto it: its
+fingerprint takes the new hashes and ``compare_commit`` names that commit, which the next check compares with.
 No CPU is named: the old library runs here, so a record made on an AMD EPYC is carried over on an Intel Xeon.
 
 ``--backfill COMMIT``: records made before fingerprints existed (no ``fingerprint``) get one from a probe of their
@@ -96,6 +98,8 @@ def worktree(commit: str, where: Path) -> Path:
 def record_commit(record: dict[str, Any]) -> str | None:
     """The commit whose library the record ran: a backfilled fingerprint's commit, else the record's own commit
     when it was clean (a dirty run's library is no commit's)."""
+    if record.get("compare_commit"):  # carried over to a later library (declare)
+        return record["compare_commit"]
     source = record.get("fingerprint_source") or {}
     if source.get("commit"):
         return source["commit"]
@@ -146,13 +150,27 @@ def declare(records_dir: Path, folder: str, method: str, paths: list[Path], reco
                                      "device": run_records.cpu_model()})
     file.write_text(json.dumps(data, indent=1) + "\n")
     added = {e: h for e, h in verdict["probe_fingerprint"].items()}
+    commit = clean_commit(new_root)
     for path in paths:
         rec = json.loads(path.read_text())
         new_entries = {e: h for e, h in added.items() if e not in rec["fingerprint"]}
         rec["fingerprint"].update(new_entries)
+        if commit:  # rebased: the record now names the checked library, whose hashes its fingerprint holds
+            rec["fingerprint"].update({e: today[e] for e in changed})
+            rec["compare_commit"] = commit
         rec.setdefault("carried_over", []).append({"date": when, "changed": changed, "added": sorted(new_entries),
-                                                    "probe_record": paths[0].name})
+                                                    "probe_record": paths[0].name, "to_commit": commit})
         path.write_text(json.dumps(rec, indent=2))
+
+
+def clean_commit(root: Path) -> str | None:
+    """The commit checked out at ``root`` if its library and configs are exactly that commit's, else None."""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "continual_blr", "configs"],
+                           cwd=root, capture_output=True, text=True)
+    if head.returncode or dirty.returncode or dirty.stdout.strip():
+        return None
+    return head.stdout.strip()
 
 
 def stale_row(records_dir: Path, folder: str, method: str, paths: list[Path], worktrees: Path,
