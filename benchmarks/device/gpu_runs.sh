@@ -2,7 +2,8 @@
 # Second call on the same warm GPU machine (see benchmarks/device/README.md): rebuild CIFAR-10 from the two WebP
 # parts (hash-checked), then run the jobs of $JOBS ("benchmark:method:seed" separated by spaces) side by side on
 # the one GPU, each a `benchmarks/reproduce.py` process with its own records folder, each stopped after $LIMIT
-# seconds (DETERMINISTIC=1: reproduce.py --deterministic, deterministic CUDA kernels). The records and logs come back as $OUT/records.tgz and $OUT/logs.tgz; the logs keep the progress bars
+# seconds (DETERMINISTIC=1: reproduce.py --deterministic, deterministic CUDA kernels; VALIDATION=0.1: every job on
+# the validation split, for choosing, never the test set). The records and logs come back as $OUT/records.tgz and $OUT/logs.tgz; the logs keep the progress bars
 # (per task and epoch), so that a run stopped by the limit shows how far it got.
 # Needs CONTINUAL_BLR_COMMIT (the commit the working tree was sent from; a copied .git may be an older checkout's).
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CONTINUAL_BLR_DATA=/tmp/data CONTINUAL_BLR_DIRTY=${CONTINUAL_BLR_DIRTY:-0}
@@ -13,7 +14,7 @@ for job in $JOBS; do
   IFS=: read -r bench method seed <<< "$job"
   tag=$(echo "$bench-$method-$seed" | tr / _)
   timeout "$LIMIT" python3 benchmarks/reproduce.py "$bench" --methods "$method" --seeds "$seed" --device cuda \
-    --threads 1 ${DETERMINISTIC:+--deterministic} --runs-dir /tmp/rec/"$tag" --results-dir /tmp/rec/"$tag"/results \
+    --threads 1 ${DETERMINISTIC:+--deterministic} ${VALIDATION:+--validation $VALIDATION} --runs-dir /tmp/rec/"$tag" --results-dir /tmp/rec/"$tag"/results \
     > /tmp/logs/"$tag".log 2>&1 &
 done
 start=$SECONDS
