@@ -7,7 +7,8 @@ the record's commit):
     python benchmarks/probe.py --record REC --root /tmp/wt-89e245e7 --out /tmp/old.json   # the record's library
 
 The probe is the record's config (its stream, model, method, seed, train settings) with every task cut to its
-first ``--train`` training and ``--test`` test examples and at most ``--epochs`` epochs (first, middle, last),
+first ``--train`` training and ``--test`` test examples (at most ``--conv-examples`` of each for a conv net) and at
+most ``--epochs`` epochs,
 on the CPU with one thread. Several records are probed one after the other in one process (torch is imported
 once); module and class bodies, which run at import, count for each. It writes a JSON list, one item per record: the
 fingerprint of the code it executed (``fingerprint.py``, hashed in
@@ -28,6 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PROBE_TRAIN, PROBE_TEST, PROBE_EPOCHS = 512, 256, 3
+CONV_EXAMPLES = 64  # conv nets (CifarNet, ResNet): at most this many training and test examples per task in a probe
 
 
 def run_config_of(record: dict, root: Path, from_dict, run_config_cls):
@@ -56,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train", type=int, default=PROBE_TRAIN)
     ap.add_argument("--test", type=int, default=PROBE_TEST)
     ap.add_argument("--epochs", type=int, default=PROBE_EPOCHS)
+    ap.add_argument("--conv-examples", type=int, default=CONV_EXAMPLES,
+                    help="at most this many training and test examples per task for a conv net")
     ap.add_argument("--data-dir", default=os.environ.get("CONTINUAL_BLR_DATA"))
     args = ap.parse_args(argv)
     root = Path(args.root).resolve()
@@ -80,9 +84,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def small_stream(c):  # every task cut to its first examples (the same examples in both libraries)
         stream = build(c)
+        conv = c.model.arch != "mlp"  # a conv net's step costs 100x an MLP's on a CPU: fewer examples
+        n_train = min(args.train, args.conv_examples) if conv else args.train
+        n_test = min(args.test, args.conv_examples) if conv else args.test
         for t in stream.tasks:
-            t.x_train, t.y_train = t.x_train[: args.train], t.y_train[: args.train]
-            t.x_test, t.y_test = t.x_test[: args.test], t.y_test[: args.test]
+            t.x_train, t.y_train = t.x_train[:n_train], t.y_train[:n_train]
+            t.x_test, t.y_test = t.x_test[:n_test], t.y_test[:n_test]
         return stream
 
     runner.build_stream = small_stream
