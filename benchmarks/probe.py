@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PROBE_TRAIN, PROBE_TEST, PROBE_EPOCHS = 512, 256, 3
+PROBE_TRAIN, PROBE_TEST, PROBE_EPOCHS = 256, 128, 2
 CONV_EXAMPLES = 64  # conv nets (CifarNet, ResNet): at most this many training and test examples per task in a probe
 
 
