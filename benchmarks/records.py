@@ -422,3 +422,30 @@ def commit_check(record: dict[str, Any]) -> str:
     if lib == record.get("library_hash"):
         return "ok"
     return "dirty" if record.get("dirty") else "library differs"
+
+
+class TracedRun:
+    """The tracing every record-writing script shares: ``with TracedRun(cfg) as t: run_config(cfg, on_epoch=t.on_epoch)``
+    then ``record |= t.fields()``: start and end time and the fingerprint of the code the run executed (the hook is
+    gated by the epochs of ``cfg``'s first method, ``fingerprint.ExecutedCode.epoch_hook``)."""
+
+    def __init__(self, cfg: Any) -> None:
+        from continual_blr.runner import _train_for
+
+        self.executed = _fingerprint.ExecutedCode(imported_package_dir())
+        self.on_epoch = self.executed.epoch_hook(_train_for(cfg, cfg.methods[0].train).epochs)
+        self.started = now_utc()
+
+    def __enter__(self) -> "TracedRun":
+        self.executed.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.executed.__exit__(*exc)
+
+    def fields(self, entries: set[str] | None = None, started: str | None = None) -> dict[str, Any]:
+        """``started``, ``ended`` and ``fingerprint`` for the record (``entries``: the code several processes
+        executed, for a resumed run; default this process's)."""
+        entries = self.executed.entries() if entries is None else entries
+        return {"started": started or self.started, "ended": now_utc(),
+                "fingerprint": _fingerprint.source_hashes(entries, imported_package_dir().parent)}

@@ -169,26 +169,21 @@ def run_one(benchmark: str, method: str, seed: int, args: argparse.Namespace, ru
     config_file = _config_path(benchmark, method, args)
     origin = run_records.run_provenance(cfg.device)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    from continual_blr.runner import _train_for
-    from fingerprint import ExecutedCode
-
-    executed = ExecutedCode(run_records.imported_package_dir())  # the code this run executes (records.currency)
-    epoch_hook = executed.epoch_hook(_train_for(cfg, mc.train).epochs)
-    started = run_records.now_utc()
+    traced = run_records.TracedRun(cfg)  # the code this run executes (records.currency)
     t0, c0 = time.perf_counter(), time.process_time()
     attempts = None
     if getattr(args, "work_dir", None):
         work = _runs_folder(Path(args.work_dir), benchmark, scenario, args.quick, validation) / f"{method}_seed{seed}"
-        with executed:
-            result, attempts = run_resumable(cfg, work, force=args.force, on_epoch=epoch_hook,
-                                             executed=executed)
+        with traced:
+            result, attempts = run_resumable(cfg, work, force=args.force, on_epoch=traced.on_epoch,
+                                             executed=traced.executed)
         wall_s, cpu_s = (sum(a[k] for a in attempts["attempts"]) for k in ("wall_s", "cpu_s"))
         entries = set(attempts.get("executed", []))
     else:
-        with executed:
-            result = run_config(cfg, save=False, on_epoch=epoch_hook)[0]
+        with traced:
+            result = run_config(cfg, save=False, on_epoch=traced.on_epoch)[0]
         wall_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
-        entries = executed.entries()
+        entries = None
     record = result.to_dict() | {"wall_s": wall_s, "cpu_s": cpu_s,
                                  "memory_per_task": _memory_size(cfg), "quick": args.quick,
                                  "validation": validation,
@@ -197,9 +192,8 @@ def run_one(benchmark: str, method: str, seed: int, args: argparse.Namespace, ru
                                  "resolved_params": dataclasses.asdict(resolved)
                                  if dataclasses.is_dataclass(resolved) else None,
                                  "config_file": str(config_file.relative_to(ROOT))
-                                 if config_file.is_relative_to(ROOT) else None} | origin | {
-        "started": started if attempts is None else attempts["attempts"][0]["started"], "ended": run_records.now_utc(),
-        "fingerprint": run_records._fingerprint.source_hashes(entries, run_records.imported_package_dir().parent)}
+                                 if config_file.is_relative_to(ROOT) else None} | origin | traced.fields(
+        entries, None if attempts is None else attempts["attempts"][0]["started"])
     if attempts is not None:  # a run continued over several processes: each one's share, times summed above
         record["attempts"] = attempts["attempts"]
         record["config"]["out"] = None  # the work folder is this machine's, not part of the run's settings

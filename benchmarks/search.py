@@ -196,20 +196,12 @@ def run_point(base, params: dict[str, Any], label: str, seed: int, validation: f
         if stored.get("key") == key and run_records.currency(stored)[0]:
             return stored
     origin = run_records.run_provenance(cfg.device)
-    from continual_blr.runner import _train_for
-    from fingerprint import ExecutedCode
-
-    executed = ExecutedCode(run_records.imported_package_dir())  # the code this run executes (records.currency)
-    started = run_records.now_utc()
+    traced = run_records.TracedRun(cfg)  # the code this run executes (records.currency)
     t0, c0 = time.perf_counter(), time.process_time()
-    with executed:
-        result = run_config(cfg, save=False,
-                            on_epoch=executed.epoch_hook(_train_for(cfg, cfg.methods[0].train).epochs))[0]
+    with traced:
+        result = run_config(cfg, save=False, on_epoch=traced.on_epoch)[0]
     record = result.to_dict() | {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
-                                 "params": dict(params), "validation": validation, "key": key} | origin | {
-        "started": started, "ended": run_records.now_utc(),
-        "fingerprint": run_records._fingerprint.source_hashes(executed.entries(),
-                                                              run_records.imported_package_dir().parent)}
+                                 "params": dict(params), "validation": validation, "key": key} | origin | traced.fields()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=2))

@@ -213,18 +213,12 @@ def run_one(row: Row, scenario: str, seed: int, records_dir: Path, force: bool =
     cfg.methods = [mc]
     resolved = getattr(build_method(mc.name, mc.params), "params", None)
     origin = run_records.run_provenance(cfg.device)
-    from continual_blr.runner import _train_for
-    from fingerprint import ExecutedCode
-
-    executed = ExecutedCode(run_records.imported_package_dir())  # the code this run executes (records.currency)
-    started = run_records.now_utc()
+    traced = run_records.TracedRun(cfg)  # the code this run executes (records.currency)
     t0, c0 = time.perf_counter(), time.process_time()
-    with executed:
-        res = run_config(cfg, save=False, on_epoch=executed.epoch_hook(_train_for(cfg, mc.train).epochs))[0]
+    with traced:
+        res = run_config(cfg, save=False, on_epoch=traced.on_epoch)[0]
     rec = res.to_dict() | {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
-                           "started": started, "ended": run_records.now_utc(),
-                           "fingerprint": run_records._fingerprint.source_hashes(
-                               executed.entries(), run_records.imported_package_dir().parent),
+                           **traced.fields(),
                            "threads": torch.get_num_threads(),
                            "label": row.label, "config": row.config, "method_config": key, "validation": validation,
                            "resolved_params": dataclasses.asdict(resolved) if dataclasses.is_dataclass(resolved)
