@@ -186,7 +186,7 @@ def run_one(row: Row, scenario: str, seed: int, records_dir: Path, force: bool =
 
     Returns:
         The record: ``StreamResult.to_dict()`` plus ``wall_s``, ``cpu_s``, ``label``, ``method_config``,
-        ``validation``, ``resolved_params`` and the provenance of ``records.provenance``.
+        ``validation``, ``resolved_params``, the provenance of ``records.run_provenance`` and ``records.TracedRun.fields``.
     """
     import dataclasses
 

@@ -173,3 +173,21 @@ def test_side_by_side_refuses_when_the_probe_does_not_reach_the_changed_code(mad
     verdict = _side_by_side().check_row(records_dir, "t/task/full", "none", [path], tmp_path, new_root=new_root,
                                         old_root=old_root, extra=PROBE)
     assert verdict == f"stale (the probe does not execute {entry}): rerun the row"
+
+
+def test_the_epoch_gated_trace_sees_what_a_full_trace_sees(tmp_path):
+    """fingerprint.ExecutedCode.epoch_hook's claim: tracing the first and last epoch of each task (and between tasks)
+    collects the same entries as tracing every epoch (4 epochs per task here, so two middle epochs go untraced).
+    Planted once: a hook that pauses after the first epoch and never resumes misses the task-end code and fails."""
+    import continual_blr
+    from continual_blr.config import RunConfig, from_dict, yaml_load
+    from continual_blr.runner import run_config
+
+    got = {}
+    for gated in (False, True):
+        cfg = from_dict(RunConfig, yaml_load((CONFIG % ("ewc", "{lam: 10.0}")).replace("epochs: 2", "epochs: 4")))
+        cfg.progress = False
+        with fingerprint.ExecutedCode(Path(continual_blr.__file__).parent) as ex:
+            run_config(cfg, save=False, on_epoch=ex.epoch_hook(4) if gated else None)
+        got[gated] = ex.entries()
+    assert got[True] == got[False] and len(got[True]) > 50
