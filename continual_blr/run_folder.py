@@ -203,6 +203,23 @@ class RunFolder:
         if self.writes:
             _atomic_write(self.path / rel, lambda p: torch.save(obj, p))
 
+    def keep_copy(self, rel: str, copy_rel: str) -> None:
+        """Keep the file ``<run>/<rel>`` as it is now under ``<run>/<copy_rel>`` too: a hard link (no bytes
+        written; a later atomic rewrite of ``rel`` leaves the copy as it was), else a byte copy where the file
+        system has no hard links. An existing ``copy_rel`` is replaced."""
+        if not self.writes:
+            return
+        src, dst = self.path / rel, self.path / copy_rel
+
+        def link(tmp: Path) -> None:
+            tmp.unlink()
+            try:
+                os.link(src, tmp)
+            except OSError:
+                shutil.copyfile(src, tmp)
+
+        _atomic_write(dst, link)
+
     def save_figure(self, rel: str, draw: Callable[[Path], Any]) -> None:
         """``draw(path)`` writes a figure; it is given a temporary path with the same suffix."""
         if self.writes:

@@ -41,7 +41,7 @@ from .run_folder import (
 )
 from .run_logs import TrainingLog
 
-__all__ = ["run_config", "resolve_out", "load_results", "load_run_config", "build_stream", "check_runnable", "check_methods",
+__all__ = ["run_config", "boundary_checkpoint", "resolve_out", "load_results", "load_run_config", "build_stream", "check_runnable", "check_methods",
            "format_table", "format_heading", "set_threads", "RunInterrupted", "QUICK_EPOCH_DIVISOR", "RUNS_ROOT"]
 
 QUICK_EPOCH_DIVISOR = 5
@@ -260,6 +260,16 @@ class _Writer:
             "optimizer": opt.state_dict() if isinstance(opt, torch.optim.Optimizer) else None,
         }
         self.folder.save_torch(f"{name}/{CHECKPOINT}", state)
+        self.folder.keep_copy(f"{name}/{CHECKPOINT}", boundary_checkpoint(name, progress.next_task - 1))
+
+
+def boundary_checkpoint(method: str, task: int) -> str:
+    """Where a run folder keeps the checkpoint written when ``task`` (0-based) ended, relative to the run:
+    ``<method>/tasks/after_task<task>.pt``, the same dict as ``checkpoint.pt`` at that boundary (the network at
+    the task's end; the method as the next task starts with it). Written as a hard link to ``checkpoint.pt``:
+    no extra time, the disk of one checkpoint per task. What ``inspect --validate`` retrains from and what the
+    forgetting analysis scores each task's examples with."""
+    return f"{method}/tasks/after_task{task}.pt"
 
 
 def _load_checkpoint(path: Path) -> dict[str, Any]:

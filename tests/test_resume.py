@@ -134,6 +134,30 @@ def test_interrupted_then_resumed_equals_uninterrupted(config, reference, tmp_pa
     _assert_same_run(reference, out)
 
 
+def test_every_task_boundary_is_kept_as_it_was(config, reference, tmp_path, monkeypatch, capsys):
+    """``<method>/tasks/after_task<t>.pt`` (``runner.boundary_checkpoint``) is the checkpoint of the boundary after
+    task t, untouched by later tasks. Oracle: the ``checkpoint.pt`` a run interrupted right after that boundary
+    holds (a separate run, same seed: bit-equal)."""
+    n_tasks = 3
+    for m in METHODS:
+        kept = sorted(p.name for p in (reference / m / "tasks").iterdir())
+        assert kept == [f"after_task{t}.pt" for t in range(n_tasks)], kept
+        _same(_load(reference / m / "tasks" / f"after_task{n_tasks - 1}.pt"), _load(reference / m / "checkpoint.pt"), m)
+    out = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        _interrupt_after(patch, "fit_task", 2)  # blr, before its task 1: checkpoint.pt is the boundary after task 0
+        assert main(["run", str(config), "--out", str(out), "--no-progress"]) == 130
+    capsys.readouterr()
+    early = _load(out / "blr" / "checkpoint.pt")
+    assert early["progress"]["next_task"] == 1
+    kept = _load(reference / "blr" / "tasks" / "after_task0.pt")
+    for state in (early, kept):
+        state["progress"].pop("task_times")  # wall-clock seconds: the one field two runs do not share
+    _same(early, kept, "blr/after_task0")
+    final = _load(reference / "blr" / "checkpoint.pt")
+    assert not all(torch.equal(final["model"][k], early["model"][k]) for k in early["model"])
+
+
 def test_interrupted_twice_and_resumed_equals_uninterrupted(config, reference, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     for calls in (5, 9):  # the 2nd interrupt hits the resumed run
