@@ -311,8 +311,12 @@ def fit_task(
     progress: bool = True,
     on_epoch: Callable[[int, float], None] | None = None,
     norm_statistics: NormStatistics | None = None,
+    end_task: bool = True,
 ) -> float:
     """Train ``model`` on ``task`` with ``method``; returns the mean training loss of the last epoch.
+
+    ``end_task=False`` leaves out ``method.on_task_end`` (the method's memory, posterior or prior update at the
+    task's end): for a retraining the method should not remember, e.g. ``inspect --validate``'s leave-one-out.
 
     ``on_epoch(epoch, mean_loss)`` (optional) is called after every epoch (for logs). ``norm_statistics``
     (``train.batchnorm: per_task``) receives the BatchNorm statistics the task ends with, before
@@ -347,7 +351,8 @@ def fit_task(
             on_epoch(epoch, last)
     if norm_statistics is not None:
         norm_statistics.save(model, task.task_id)
-    method.on_task_end(model, task, optimizer)
+    if end_task:
+        method.on_task_end(model, task, optimizer)
     return last
 
 

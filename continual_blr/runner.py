@@ -41,7 +41,7 @@ from .run_folder import (
 )
 from .run_logs import TrainingLog
 
-__all__ = ["run_config", "boundary_checkpoint", "resolve_out", "load_results", "load_run_config", "build_stream", "check_runnable", "check_methods",
+__all__ = ["run_config", "boundary_checkpoint", "restore_checkpoint", "resolve_out", "load_results", "load_run_config", "build_stream", "check_runnable", "check_methods",
            "format_table", "format_heading", "set_threads", "RunInterrupted", "QUICK_EPOCH_DIVISOR", "RUNS_ROOT"]
 
 QUICK_EPOCH_DIVISOR = 5
@@ -301,19 +301,26 @@ def _own_unsaved(mc: Any, cfg: RunConfig, stream: TaskStream, train: TrainConfig
 
 def _restore(state: dict[str, Any]):
     """``restore(model, method)`` for :func:`run_stream`: load model, method, optimiser and generator states."""
+    return lambda model, method: restore_checkpoint(state, model, method)
 
-    def restore(model: nn.Module, method: Method) -> None:
-        load_weights(model, state["model"], "the checkpoint")
-        method.load_state_dict(state["method"])
-        opt = getattr(method, "optimizer", None)
-        if state.get("optimizer") is not None and isinstance(opt, torch.optim.Optimizer):
-            opt.load_state_dict(state["optimizer"])
-        missing = load_generator_states(method, state.get("generators", {}))
-        if missing:
-            raise ValueError(f"resume: the checkpoint's generators {missing} are not in the method; "
-                             "was it written by another version?")
 
-    return restore
+def restore_checkpoint(state: dict[str, Any], model: nn.Module, method: Method) -> None:
+    """Load a checkpoint dict (``checkpoint.pt``, ``tasks/after_task<t>.pt``) into a model and a method already
+    set up (``method.setup``): weights, the method's state, the optimiser that lives across tasks, the
+    method's generators.
+
+    Raises:
+        ValueError: the checkpoint holds generators the method does not have.
+    """
+    load_weights(model, state["model"], "the checkpoint")
+    method.load_state_dict(state["method"])
+    opt = getattr(method, "optimizer", None)
+    if state.get("optimizer") is not None and isinstance(opt, torch.optim.Optimizer):
+        opt.load_state_dict(state["optimizer"])
+    missing = load_generator_states(method, state.get("generators", {}))
+    if missing:
+        raise ValueError(f"resume: the checkpoint's generators {missing} are not in the method; "
+                         "was it written by another version?")
 
 
 def _warm_up() -> None:

@@ -51,7 +51,7 @@ from .models import build_model
 from .run_folder import RunFileError, load_torch, load_weights, read_json
 from .runner import build_stream
 
-__all__ = ["LoadedRun", "RunNotFoundError", "load_run", "saved_methods", "check_config_matches", "inspect_path"]
+__all__ = ["LoadedRun", "RunNotFoundError", "load_run", "load_boundary", "saved_methods", "check_config_matches", "inspect_path"]
 
 RESULTS = "results.json"
 
@@ -69,11 +69,16 @@ class LoadedRun(SavedRun):
         config: the run's :class:`~continual_blr.config.RunConfig`.
         payload: the whole ``results.json`` (config, results of every finished method, ...).
         device: where the network and the method's state live.
+        train: the training settings the method ran with (``train_used``).
+        boundary: None for the finished run; ``t`` for the state kept when task ``t`` ended, ``-1`` for the
+            state the first task started from (:func:`load_boundary`).
     """
 
     config: RunConfig | None = None
     payload: dict[str, Any] = field(default_factory=dict)
     device: str = "cpu"
+    train: TrainConfig | None = None
+    boundary: int | None = None
 
     def _inputs(self, x: Tensor | np.ndarray | Sequence) -> Tensor:
         """``x`` as a float tensor [N, *input_shape] on the network's device (flat rows are reshaped)."""
@@ -305,7 +310,43 @@ def load_run(path: str | Path, method: str | None = None, *, device: str = "cpu"
     meth.setup(model, stream, train)
     meth.load_state_dict(load_torch(mdir / "method.pt", map_location=dev))
     return LoadedRun(path=folder, method_name=name, stream=stream, model=model, method=meth, result=result,
-                     methods=names, seed=config.seed, config=config, payload=payload, device=dev)
+                     methods=names, seed=config.seed, config=config, payload=payload, device=dev, train=train)
+
+
+def load_boundary(run: LoadedRun, task: int) -> LoadedRun:
+    """The run as it stood at a task boundary: the network when ``task`` (0-based) ended and the method as the
+    next task started with it (its memory, prior, optimiser state and generators), read from
+    ``<method>/tasks/after_task<task>.pt`` (:func:`continual_blr.runner.boundary_checkpoint`). ``task = -1``: the
+    start of the stream, rebuilt as the runner builds it (the initial weights of the run's seed, a new method).
+
+    The stream (and its data) is ``run``'s, shared, not copied; the network and method are new objects.
+
+    Raises:
+        RunNotFoundError: the run kept no checkpoint of that boundary (written before boundaries were kept).
+        ValueError: ``task`` is outside ``-1 .. n_tasks - 1``.
+    """
+    from .runner import boundary_checkpoint, restore_checkpoint
+
+    assert run.config is not None and run.train is not None
+    n = len(run.stream.tasks)
+    if isinstance(task, bool) or not isinstance(task, int) or not -1 <= task < n:
+        raise ValueError(f"task: the boundary after a task 0..{n - 1}, or -1 for the stream's start; got {task!r}")
+    config, stream = run.config, run.stream
+    mc = next(m for m in config.methods if m.name == run.method_name)
+    model = build_model(config.model.arch, stream.input_shape, stream.n_outputs, stream.n_heads,
+                        hidden=tuple(config.model.hidden), generator=torch.Generator().manual_seed(config.seed))
+    model = model.to(run.device)
+    meth = build_method(run.method_name, mc.params, seed=config.seed)
+    meth.use_likelihood(stream.likelihood, stream.sigma)
+    meth.setup(model, stream, run.train)
+    if task >= 0:
+        path = Path(run.path) / boundary_checkpoint(run.method_name, task)
+        if not path.is_file():
+            raise RunNotFoundError(f"run: {run.path} kept no checkpoint of the boundary after task {task} ({path.name} "
+                                   "missing; runs written before boundaries were kept have none): run it again")
+        restore_checkpoint(load_torch(path, map_location=run.device), model, meth)
+    model.eval()
+    return dataclasses.replace(run, model=model, method=meth, boundary=task)
 
 
 def _check_device(device: str) -> str:
