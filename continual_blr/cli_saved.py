@@ -67,6 +67,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         return _fail("--top: must be a positive integer")
     if args.threads is not None and args.threads < 1:
         return _fail(f"--threads: got {args.threads}; allowed: an integer >= 1")
+    if args.validate is not None and args.validate < 1:
+        return _fail(f"--validate: got {args.validate}; allowed: a number of examples >= 1")
+    if args.validate_epochs is not None and args.validate_epochs < 1:
+        return _fail(f"--validate-epochs: got {args.validate_epochs}; allowed: an integer >= 1")
     path = Path(args.run)
     try:
         if path.is_file() and path.suffix in (".yaml", ".yml"):
@@ -76,7 +80,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             check_writable(args.out, "--out")
         with _threads(args.threads):
             index, insp = inspect_path(path, out=args.out, method=args.method, tasks=tasks, top=args.top,
-                                       device=args.device, progress=not args.no_progress, imports=args.imports)
+                                       device=args.device, progress=not args.no_progress, imports=args.imports,
+                                       validate=args.validate, validate_epochs=args.validate_epochs)
     except KeyboardInterrupt:  # the report is written aside and moved in only once complete: nothing partial is left
         print("continual-blr: inspect interrupted; no report written", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -90,6 +95,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         else:
             print(f"inspected {insp.run.method_name}: no method of this run stores a memory, so 'memorable' is the "
                   f"top-k by tr Λ at the final weights{choose}")
+    val = getattr(insp, "validation", None)
+    if val is not None:
+        s = val.summary()
+        print(f"validated task {val.task_id} (0-based) against {len(val)} retrainings of {val.epochs} epochs "
+              f"({s['seconds']:.0f} s): Spearman {s['spearman_sensitivity']:.2f} (sensitivity), "
+              f"{s['spearman_leverage']:.2f} (leverage-corrected deviation), {s['spearman_plain']:.2f} (plain); "
+              f"noise floor (median) {s['median_noise_floor']:.2g}")
     print(f"wrote {index}")
     return 0
 
@@ -183,6 +195,12 @@ def add_saved_run_parsers(sub) -> None:
     ins.add_argument("--import", dest="imports", action="append", metavar="MODULE",
                      help="a module (name or .py path) that registers the run's own methods, in place of the one "
                           "the run recorded (e.g. after moving it; repeatable); built-in methods need none")
+    ins.add_argument("--validate", type=int, metavar="N",
+                     help="also retrain without each of N examples of one task (--task, default the last), drawn "
+                          "across the sensitivity range, and compare the true deviation of each prediction with the "
+                          "estimate (correlations, noise floor, scatter in the report; docs/inspect.md)")
+    ins.add_argument("--validate-epochs", type=int, metavar="E",
+                     help="epochs of each warm-started retraining of --validate (default 2)")
     ins.set_defaults(func=_cmd_inspect)
 
     pred = sub.add_parser("predict", help="predict on new inputs with a saved run's model and method")

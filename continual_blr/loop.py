@@ -181,19 +181,30 @@ def _r_squared(model: nn.Module, method: Method, task: Task, batch_size: int) ->
     return 1.0 - sse / sst if sst > 0 else math.nan
 
 
-def _batches(tasks: list[Task], batch_size: int, generator: torch.Generator):
+def _batches(tasks: list[Task], batch_size: int, generator: torch.Generator, leave_out: tuple[Task, Tensor] | None = None):
     """Shuffled minibatches of each task, interleaved in a random order; each batch holds one task.
 
     The batches are *global*: in a data-parallel run every rank draws the same order from its copy of
     the seeded ``generator`` and :func:`train_step` keeps the rank's contiguous part of each batch.
+
+    ``leave_out = (task, indices)``: those training examples of that task are taken out of the minibatches
+    they were drawn into, after the draw, so that every other batch, and the random numbers drawn, are the
+    ones of the full task (a batch left empty is skipped). A retraining without example i then differs from
+    one with it only by i's gradient contributions (``inspect --validate``).
     """
     order = []
     for i, t in enumerate(tasks):
         # Drawn on the CPU generator (the same order on every device), moved once per task and epoch.
         perm = torch.randperm(t.n_train, generator=generator).to(t.x_train.device)
-        order += [(i, perm[s : s + batch_size]) for s in range(0, t.n_train, batch_size)]
+        chunks = [perm[s : s + batch_size] for s in range(0, t.n_train, batch_size)]
+        if leave_out is not None and t is leave_out[0]:
+            out = leave_out[1].to(perm.device)
+            chunks = [c[~torch.isin(c, out)] for c in chunks]
+        order += [(i, idx) for idx in chunks]
     for k in torch.randperm(len(order), generator=generator).tolist() if len(tasks) > 1 else range(len(order)):
         i, idx = order[k]
+        if idx.numel() == 0:
+            continue
         t = tasks[i]
         yield t, Batch(t.x_train[idx], t.y_train[idx], t.head)
 
@@ -312,11 +323,14 @@ def fit_task(
     on_epoch: Callable[[int, float], None] | None = None,
     norm_statistics: NormStatistics | None = None,
     end_task: bool = True,
+    leave_out: Tensor | None = None,
 ) -> float:
     """Train ``model`` on ``task`` with ``method``; returns the mean training loss of the last epoch.
 
     ``end_task=False`` leaves out ``method.on_task_end`` (the method's memory, posterior or prior update at the
     task's end): for a retraining the method should not remember, e.g. ``inspect --validate``'s leave-one-out.
+    ``leave_out``: indices of ``task``'s training examples to train without, taken out of the minibatches they
+    were drawn into (the other batches and the random numbers are those of the full task; :func:`_batches`).
 
     ``on_epoch(epoch, mean_loss)`` (optional) is called after every epoch (for logs). ``norm_statistics``
     (``train.batchnorm: per_task``) receives the BatchNorm statistics the task ends with, before
@@ -334,7 +348,8 @@ def fit_task(
     bar = tqdm(range(train.epochs), desc=f"task {task.task_id}", leave=False, disable=None if progress else True)
     for epoch in bar:
         total, n = 0.0, 0  # summed on the loss's device: no host synchronisation per step
-        for t, batch in _batches(tasks, train.batch_size, generator):
+        for t, batch in _batches(tasks, train.batch_size, generator,
+                                 None if leave_out is None else (task, leave_out)):
             for m in frozen:  # again at every step: evaluation and the BLR's step put the model back in train mode
                 m.eval()
             loss = train_step(model, method, optimizer, batch, t, train)

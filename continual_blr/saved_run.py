@@ -51,7 +51,7 @@ from .models import build_model
 from .run_folder import RunFileError, load_torch, load_weights, read_json
 from .runner import build_stream
 
-__all__ = ["LoadedRun", "RunNotFoundError", "load_run", "load_boundary", "saved_methods", "check_config_matches", "inspect_path"]
+__all__ = ["LoadedRun", "RunNotFoundError", "load_run", "load_boundary", "validate_run", "saved_methods", "check_config_matches", "inspect_path"]
 
 RESULTS = "results.json"
 
@@ -97,6 +97,10 @@ class LoadedRun(SavedRun):
             raise ValueError(f"inputs: no examples (shape {tuple(t.shape)}){hint}")
         ref = next(self.model.parameters())
         return t.to(device=ref.device, dtype=ref.dtype)
+
+    def at_boundary(self, task: int) -> "LoadedRun":
+        """:func:`load_boundary` of this run (what :mod:`continual_blr.inspect.forgetting` scores each task with)."""
+        return load_boundary(self, task)
 
     def _head(self, head: int | None) -> int:
         n = int(self.stream.n_heads)
@@ -389,11 +393,15 @@ def check_config_matches(config: RunConfig, path: str | Path, config_name: str =
 def inspect_path(path: str | Path, *, out: str | Path | None = None, method: str | None = None,
                  tasks: Sequence[int] | None = None, top: int | None = None,
                  prior_precision: float | None = None, device: str = "cpu",
-                 progress: bool = False, imports: Sequence[str] | None = None) -> tuple[Path, Any]:
+                 progress: bool = False, imports: Sequence[str] | None = None, validate: int | None = None,
+                 validate_epochs: int | None = None) -> tuple[Path, Any]:
     """Load a run folder, inspect it and write the report (default folder: ``<run>/inspect``).
 
     The default method is the first one that keeps memorable points (:func:`load_run` with
     ``prefer_memory``; ``imports`` as there). See :func:`continual_blr.inspect.inspect_run` for the other arguments.
+    ``validate = N``: also check the sensitivities against N retrainings (:func:`validate_run`) on the one task of
+    ``tasks`` (default: the last task), with ``validate_epochs`` epochs each; the result is ``insp.validation``
+    and the report gets ``validation.json``, ``validation.png`` and its section.
 
     Returns:
         ``(index.html path, the Inspection)``.
@@ -405,7 +413,66 @@ def inspect_path(path: str | Path, *, out: str | Path | None = None, method: str
     t0 = time.perf_counter()
     run = load_run(path, method, device=device, prefer_memory=True, data=True, imports=imports)
     t_load = time.perf_counter() - t0
+    if validate is not None and tasks is not None and len(tasks) != 1:
+        raise ValueError("validate: retrains on one task; give one task (--task) or none (the last task)")
     insp = inspect_run(run, tasks=tasks, top=top, prior_precision=prior_precision, progress=progress)
     insp.timings = {"load": t_load, **insp.timings}
+    insp.validation = None
+    if validate is not None:
+        insp.validation = validate_run(run, validate, task=tasks[0] if tasks else None, epochs=validate_epochs,
+                                       prior_precision=prior_precision, progress=progress)
+        insp.timings["validate"] = insp.validation.seconds
     target = Path(out) if out is not None else run.path / "inspect"
-    return write_report(insp, target, progress=progress), insp
+    index = write_report(insp, target, progress=progress)
+    if insp.validation is not None:
+        import json
+
+        from .inspect.validate import plot_validation
+
+        (target / "validation.json").write_text(json.dumps(insp.validation.to_dict(), indent=1))
+        plot_validation(insp.validation, target / "validation.png")
+    return index, insp
+
+
+def validate_run(run: LoadedRun, n: int, *, task: int | None = None, epochs: int | None = None, seed: int = 0,
+                 prior_precision: float | None = None, progress: bool = False):
+    """Check the run's leave-one-out sensitivities against retraining on ``n`` examples of one task
+    (:func:`continual_blr.inspect.validate.validate_sensitivity`; ``docs/inspect.md``).
+
+    The retrainings start from the network kept when ``task`` ended and the method kept when the task before it
+    ended (``tasks/after_task<t>.pt``, :func:`load_boundary`; the stream's start for the first task). ``run`` must
+    hold its data (``load_run(..., data=True)``).
+
+    Args:
+        n: examples to leave out, one at a time. task: 0-based (default: the last task). epochs: of each retraining
+            (default :data:`~continual_blr.inspect.validate.DEFAULT_VALIDATE_EPOCHS`). seed: the retrainings'.
+        prior_precision: δ of a fallback diagonal Laplace Σ (methods without a Σ of their own).
+
+    Returns:
+        A :class:`~continual_blr.inspect.validate.Validation`.
+
+    Raises:
+        ValueError: a bad ``task``, ``n`` or ``epochs`` (one line naming it).
+        RunNotFoundError: the run kept no boundary checkpoints.
+    """
+    import copy
+
+    from .inspect.validate import DEFAULT_VALIDATE_EPOCHS, validate_sensitivity, validation_covariance
+
+    tasks = run.stream.tasks
+    t = len(tasks) - 1 if task is None else task
+    if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < len(tasks):
+        raise ValueError(f"task: the stream has {len(tasks)} tasks, allowed indices 0..{len(tasks) - 1}; got {task!r}")
+    end, begin = load_boundary(run, t), load_boundary(run, t - 1)
+    weights = {k: v.clone() for k, v in end.model.state_dict().items()}
+    sigma, source = validation_covariance(end, tasks[t], tasks[:t], prior_precision)
+
+    def start():
+        model, method = copy.deepcopy((begin.model, begin.method))  # one copy: the method's references stay its model's
+        load_weights(model, weights, "the task's end")
+        return model, method
+
+    assert run.train is not None
+    return validate_sensitivity(start, tasks[t], sigma, run.train, n, previous=tasks[:t],
+                                epochs=DEFAULT_VALIDATE_EPOCHS if epochs is None else epochs, seed=seed,
+                                sigma_source=source, progress=progress)
