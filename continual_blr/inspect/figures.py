@@ -7,7 +7,9 @@ global backend is never touched).
   coloured by sensitivity, memorable points ringed;
 * :func:`plot_score_histograms` — tr Λ and sensitivity histograms per task, memorable points stacked;
 * :func:`plot_memory_across_tasks` — how the memorable set compares across tasks (its scores, the
-  accuracy on it, and the overlap between the stored memory and the top-k at the final weights).
+  accuracy on it, and the overlap between the stored memory and the top-k at the final weights);
+* :func:`plot_forgetting` — forgetting, predicted: the ROC curve of each task-end score for "forgotten" and the
+  loss increase against one score (:mod:`.forgetting`).
 
 Grids draw one image per figure (all examples tiled into one array), so a 40-example grid costs one
 axes, not forty.
@@ -32,6 +34,8 @@ __all__ = [
     "plot_memory_maps",
     "plot_score_histograms",
     "plot_memory_across_tasks",
+    "plot_forgetting",
+    "PREDICTOR_LABELS",
 ]
 
 MEMORABLE_COLOR = "#d62728"
@@ -330,4 +334,67 @@ def plot_memory_across_tasks(scores: Sequence[ExampleScores], path: str | Path) 
         ax.grid(alpha=0.25, axis="y")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
+    return _save(fig, path)
+
+
+PREDICTOR_LABELS = {
+    "relevance": "relevance tr Λ",
+    "variance": "variance tr V",
+    "sensitivity": "sensitivity ‖V e‖₁",
+    "memory": "in the memory",
+    "loss": "loss −log p_y",
+}
+"""How the forgetting figure and table name the predictors of :mod:`.forgetting`."""
+
+
+def plot_forgetting(forgetting, path: str | Path, *, predictors: Sequence[str], scatter: str = "variance",
+                    title: str = "") -> Path:
+    """Forgetting, predicted (:mod:`.forgetting`): (1) the ROC curve of each task-end predictor for "forgotten"
+    (correct at its task's end, wrong at the stream's), among the examples correct at their task's end, with its AUROC;
+    (2) the loss increase ℓ^T − ℓ^t against the ``scatter`` predictor at the task's end (log x), forgotten examples
+    in red.
+
+    Args:
+        forgetting: a :class:`~continual_blr.inspect.forgetting.Forgetting`.
+        path: the PNG to write.
+        predictors: the predictors to draw (names of ``Forgetting.score``).
+        scatter: the predictor on the scatter's x axis.
+        title: the figure title.
+    """
+    from .forgetting import auroc, roc_curve
+
+    fig = _figure(9.6, 3.8, layout="constrained")
+    ax_roc, ax_sc = fig.subplots(1, 2)
+    risk = forgetting.correct_task_end
+    target = forgetting.forgotten[risk]
+    colors = ["#4c72b0", "#55a868", "#c44e52", "#8172b2", "#937860", "#da8bc3"]
+    for z, col in zip(predictors, colors):
+        s = forgetting.score(z)[risk]
+        fpr, tpr = roc_curve(s, target)
+        ax_roc.plot(fpr.numpy(), tpr.numpy(), color=col, lw=1.3,
+                    label=f"{PREDICTOR_LABELS.get(z, z)}: AUROC {auroc(s, target):.3f}")
+    ax_roc.plot([0, 1], [0, 1], color="#999999", lw=0.8, ls="--")
+    ax_roc.set_xlabel("false-positive rate (kept examples flagged)", fontsize=8)
+    ax_roc.set_ylabel("true-positive rate (forgotten examples flagged)", fontsize=8)
+    ax_roc.set_title(f"ROC for 'forgotten' ({int(target.sum())} of {int(risk.sum())} correct at their task's end)",
+                     fontsize=9)
+    ax_roc.legend(fontsize=7, loc="lower right")
+    ax_roc.tick_params(labelsize=7)
+    ax_roc.grid(alpha=0.25, lw=0.4)
+    x = _pos(forgetting.score(scatter))
+    y = forgetting.loss_increase.numpy()
+    forg = forgetting.forgotten.numpy().astype(bool)
+    ax_sc.scatter(x[~forg], y[~forg], s=3, color="#4c72b0", alpha=0.35, linewidths=0, label="kept or never correct")
+    ax_sc.scatter(x[forg], y[forg], s=5, color=MEMORABLE_COLOR, alpha=0.7, linewidths=0,
+                  label=f"forgotten ({int(forg.sum())})")
+    ax_sc.set_xscale("log")
+    ax_sc.set_yscale("symlog", linthresh=1e-2)
+    ax_sc.set_xlabel(f"{PREDICTOR_LABELS.get(scatter, scatter)} at its task's end", fontsize=8)
+    ax_sc.set_ylabel("loss increase: −log p_y at the stream's end − at its task's end", fontsize=8)
+    ax_sc.set_title("loss increase against the score at the task's end", fontsize=9)
+    ax_sc.legend(fontsize=7, loc="upper left", markerscale=3)
+    ax_sc.tick_params(which="both", labelsize=7)
+    ax_sc.grid(alpha=0.25, lw=0.4)
+    if title:
+        fig.suptitle(title, fontsize=9)
     return _save(fig, path)

@@ -42,10 +42,12 @@ from tqdm.auto import tqdm
 from ..data.stream import Task
 from ..memory import select_memorable, select_per_class
 from . import figures
+from .forgetting import PREDICTORS, ForgettingAnalysis, score_forgetting
+from .generalisation import Generalisation, generalisation
 from .saved_run import SavedRun, memory_kind, run_covariance, stored_memory
 from .scores import ExampleScores, score_examples
 
-__all__ = ["Inspection", "inspect_run", "write_report", "DEFAULT_TOP", "MAX_IMAGES"]
+__all__ = ["Inspection", "inspect_run", "write_report", "DEFAULT_TOP", "MAX_IMAGES", "grid_predictor"]
 
 DEFAULT_TOP = 40
 """Memorable points per task when the run stored none (FROMP's split-MNIST protocol: 20 per class)."""
@@ -69,6 +71,11 @@ class Inspection:
         has_memory: whether the run stored past examples (memorable points or a replay buffer).
         timings: seconds spent per stage.
         memory_kind: ``"fromp"`` (memorable points), ``"replay"`` (an ER / DER replay buffer) or ``""``.
+        generalisation: per inspected task, the leave-one-out estimate of its test NLL and accuracy from its training
+            data at the final weights, beside the measured ones (:mod:`.generalisation`).
+        forgetting: every task scored at its own task's end and at the stream's end (:mod:`.forgetting`); None when
+            not computed (one task, ``forgetting=False``, or a run folder without task boundaries).
+        forgetting_note: why :attr:`forgetting` is None (one line; empty when it is not).
     """
 
     run: SavedRun
@@ -79,6 +86,9 @@ class Inspection:
     has_memory: bool
     timings: dict[str, float] = field(default_factory=dict)
     memory_kind: str = ""
+    generalisation: list[Generalisation] = field(default_factory=list)
+    forgetting: ForgettingAnalysis | None = None
+    forgetting_note: str = ""
 
     def task_label(self, i: int) -> str:
         t = self.tasks[i]
@@ -99,6 +109,7 @@ def inspect_run(
     top: int | None = None,
     prior_precision: float | None = None,
     progress: bool = False,
+    forgetting: bool = True,
 ) -> Inspection:
     """Score every training example of the chosen tasks of a reloaded run (no retraining).
 
@@ -111,6 +122,10 @@ def inspect_run(
             default: what the run's memory holds per task, else :data:`DEFAULT_TOP`.
         prior_precision: δ of the diagonal Laplace posterior for methods without their own Σ.
         progress: show a progress bar (tqdm) over Σ and the tasks.
+        forgetting: also score every task at its own task's end (the run's task boundaries,
+            :meth:`SavedRun.at_boundary`) for the forgetting analysis (:mod:`.forgetting`) and the leave-one-out
+            estimate at each task's end; a run without boundaries gets a one-line note instead. It costs one Σ
+            and one scoring pass per task (about the scores' time again).
 
     Returns:
         An :class:`Inspection`.
@@ -153,12 +168,30 @@ def inspect_run(
                 s.memorable = s.topk_now.clone()
             out.append(s)
             bar.update(1)
+        gens = [generalisation(run.model, task, s) for task, s in zip(chosen, out)]
+        t_scores = time.perf_counter()
+        analysis, note = None, ""
+        if forgetting and n_tasks < 2:
+            note = "the stream has one task: nothing to forget"
+        elif forgetting:
+            bar.total += n_tasks
+            bar.refresh()
+
+            def step(label: str) -> None:
+                bar.set_postfix_str(label)
+                bar.update(1)
+
+            try:
+                analysis = score_forgetting(run, prior_precision=prior_precision, progress=step)
+            except (LookupError, FileNotFoundError) as err:
+                note = str(err).splitlines()[0]
     finally:
         bar.close()
-    t_scores = time.perf_counter()
-    return Inspection(run, chosen, out, int(top), source, bool(memory),
-                      {"covariance": t_sigma - t0, "scores": t_scores - t_sigma},
-                      memory_kind(run.method) if memory else "")
+    timings = {"covariance": t_sigma - t0, "scores": t_scores - t_sigma}
+    if forgetting:
+        timings["forgetting"] = time.perf_counter() - t_scores
+    return Inspection(run, chosen, out, int(top), source, bool(memory), timings,
+                      memory_kind(run.method) if memory else "", gens, analysis, note)
 
 
 # ---------------------------------------------------------------------------------------- CSV
@@ -169,7 +202,9 @@ def _csv(insp: Inspection, path: Path) -> Path:
     head = (["task", "task_id", "head", "index", "label", "class", "pred", "prob_true", "relevance", "error_norm",
              "variance_total"] + [f"variance_{k}" for k in range(k_max)]
             + ["sensitivity", "sensitivity_diag", "loo_loss_increase", "loo_prob_true", "loo_delta_prob_true"]
-            + [f"loo_shift_{k}" for k in range(k_max)] + ["memorable", "topk_now", "stored_memory", "lowest"])
+            + [f"loo_shift_{k}" for k in range(k_max)] + ["memorable", "topk_now", "stored_memory", "lowest"]
+            + list(FORGETTING_COLUMNS))
+    forgetting = _forgetting_rows(insp)
     with path.open("w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(head)
@@ -189,8 +224,29 @@ def _csv(insp: Inspection, path: Path) -> Path:
                            + [f"{v:.9g}" for v in var[r]] + pad
                            + [f"{cols[n][r]:.9g}" for n in ("sensitivity", "sensitivity_diag", "loo_loss_increase",
                                                             "loo_prob_true", "loo_delta_prob_true")]
-                           + [f"{v:.9g}" for v in shift[r]] + pad + [int(m[r]) for m in masks])
+                           + [f"{v:.9g}" for v in shift[r]] + pad + [int(m[r]) for m in masks]
+                           + forgetting.get((s.task_id, index[r]), _NO_FORGETTING))
     return path
+
+
+FORGETTING_COLUMNS = ("relevance_task_end", "variance_task_end", "sensitivity_task_end", "memory_task_end",
+                      "loss_task_end", "loss_final", "loss_increase", "correct_task_end", "correct_final", "forgotten")
+"""The forgetting analysis's columns of ``scores.csv`` (:mod:`.forgetting`): scores at the example's task's end,
+its loss at the stream's end, and the flags; empty for the last task and when the analysis was not computed."""
+_NO_FORGETTING = [""] * len(FORGETTING_COLUMNS)
+
+
+def _forgetting_rows(insp: Inspection) -> dict[tuple[int, int], list]:
+    """``(task_id, index)`` → the :data:`FORGETTING_COLUMNS` cells of that example."""
+    if insp.forgetting is None:
+        return {}
+    f = insp.forgetting.forgetting
+    cols = [f.relevance.tolist(), f.variance.tolist(), f.sensitivity.tolist(), f.memory.int().tolist(),
+            f.loss_task_end.tolist(), f.loss_final.tolist(), f.loss_increase.tolist(),
+            f.correct_task_end.int().tolist(), f.correct_final.int().tolist(), f.forgotten.int().tolist()]
+    tids, idx = f.task_id.tolist(), f.index.tolist()
+    return {(tids[r], idx[r]): [f"{c[r]:.9g}" if isinstance(c[r], float) else c[r] for c in cols]
+            for r in range(len(f))}
 
 
 # -------------------------------------------------------------------------------------- figures
@@ -241,6 +297,141 @@ def _grids(insp: Inspection, i: int, out: Path) -> list[tuple[str, Path]]:
                                        class_names=names)
         written.append(("projection", path))
     return written
+
+
+# ------------------------------------------------------------------------- generalisation and forgetting
+
+FORGETTING_GRID_PREDICTORS = ("relevance", "variance", "sensitivity")
+"""The scores the "predicted to forget" grid may rank by: the one with the highest AUROC in the run (stated)."""
+
+
+def grid_predictor(table: dict) -> str:
+    """The score of :data:`FORGETTING_GRID_PREDICTORS` with the highest pooled AUROC (ties: the first)."""
+    best, best_auc = FORGETTING_GRID_PREDICTORS[0], -1.0
+    for z in FORGETTING_GRID_PREDICTORS:
+        a = table["predictors"].get(z, {}).get("auroc", float("nan"))
+        if not math.isnan(a) and a > best_auc:
+            best, best_auc = z, a
+    return best
+
+
+def _forgetting_figures(insp: Inspection, table: dict, out: Path) -> list[tuple[str, Path]]:
+    """The ROC / scatter figure and, for image inputs, the forgotten examples beside those predicted to forget."""
+    f = insp.forgetting.forgetting  # type: ignore[union-attr]
+    run = insp.run
+    z = grid_predictor(table)
+    written = [("roc", figures.plot_forgetting(
+        f, out / "forgetting.png", predictors=PREDICTORS, scatter=z,
+        title=f"{run.method_name} on {run.stream.name}: does a score at an example's task's end predict its forgetting?"))]
+    if not figures.is_image_shape(run.stream.input_shape):
+        return written
+    forgotten = f.forgotten
+    inc = f.loss_increase
+    rows_f = [r for r in torch.sort(inc, descending=True, stable=True).indices.tolist() if bool(forgotten[r])]
+    n = min(MAX_IMAGES, max(len(rows_f), 1))
+    risk = f.correct_task_end
+    score = f.score(z)
+    rows_p = [r for r in torch.sort(score, descending=True, stable=True).indices.tolist() if bool(risk[r])][:n]
+    rows_f = rows_f[:n]
+    tasks = run.stream.tasks
+
+    def images(rows: list[int]) -> torch.Tensor:
+        if not rows:
+            return torch.zeros(0, *run.stream.input_shape)
+        return torch.stack([tasks[int(f.task_id[r])].x_train[int(f.index[r])].cpu() for r in rows])
+
+    def caption(r: int, line2: str) -> str:
+        t = int(f.task_id[r])
+        label = int(f.label[r])
+        cls = tasks[t].classes[label] if run.stream.scenario == "task" and label < len(tasks[t].classes) else label
+        return f"T{t + 1} y={cls}\n{line2}"
+
+    caps_f = [caption(r, f"Δloss={float(inc[r]):.2g}") for r in rows_f]
+    written.append(("forgotten", figures.plot_example_grid(
+        images(rows_f), caps_f, out / "forgotten.png",
+        title=f"forgotten: correct at their task's end, wrong at the stream's end — {len(rows_f)} of "
+              f"{int(forgotten.sum())} with the largest loss increase Δℓ", bad=[True] * len(rows_f))))
+    caps_p = [caption(r, f"{z[:4]}={float(score[r]):.2g}") for r in rows_p]
+    hit = [bool(forgotten[r]) for r in rows_p]
+    written.append(("predicted", figures.plot_example_grid(
+        images(rows_p), caps_p, out / "predicted_to_forget.png",
+        title=f"predicted to forget: the {len(rows_p)} highest {z} at their task's end (correct then); "
+              f"red: forgotten ({sum(hit)} of {len(rows_p)})", bad=hit)))
+    return written
+
+
+def _generalisation_html(insp: Inspection) -> str:
+    e = html.escape
+    ends = {g.task_id: g for g in insp.forgetting.at_task_end} if insp.forgetting is not None else {}
+    rows = []
+    for i, g in enumerate(insp.generalisation):
+        t = ends.get(g.task_id)
+        cells = [e(insp.task_label(i))]
+        for x in ([t] if ends else []) + [g]:
+            if x is None:
+                cells += ["–"] * 6
+                continue
+            cells += [_fmt(x.train_nll), _fmt(x.loo_nll), _fmt(x.test_nll), f"{x.nll_gap:+.3g}",
+                      _fmt(x.loo_acc), _fmt(x.test_acc)]
+        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    sub = ("<th>train NLL</th><th>LOO NLL</th><th>test NLL</th><th>gap LOO − test</th><th>LOO acc</th>"
+           "<th>test acc</th>")
+    groups = ([("at its task's end", sub)] if ends else []) + [("at the stream's end", sub)]
+    head = ("<tr><th rowspan=2>task</th>" + "".join(f"<th colspan=6>{g}</th>" for g, _ in groups) + "</tr><tr>"
+            + "".join(h for _, h in groups) + "</tr>")
+    note = ("" if ends else f"<p>At each task's end: not available ({e(insp.forgetting_note)}).</p>"
+            if insp.forgetting_note else "")
+    return f"""<h2>Generalisation from training data alone</h2>
+<p>The leave-one-out estimate of each task's test NLL and accuracy, from its training examples alone: the logits
+example i would get from the network trained without it, f<sub>i</sub> + V<sub>i</sub> e<sub>i</sub>
+(Nickl et al. 2023), give LOO NLL = mean −log softmax(f<sub>i</sub> + V<sub>i</sub>e<sub>i</sub>)<sub>y<sub>i</sub></sub>
+and LOO acc = mean 1[argmax = y<sub>i</sub>]; beside the plug-in train NLL (each example fitted: optimistic) and the
+network's measured softmax NLL and accuracy on the task's test set. A positive gap: the estimate is pessimistic.
+The estimate is only as good as Σ is the inverse Hessian of the training objective (Σ: {e(insp.sigma_source)}).</p>
+<table>{head}{''.join(rows)}</table>{note}"""
+
+
+def _forgetting_html(insp: Inspection, table: dict, figs: list[tuple[str, Path]]) -> str:
+    e = html.escape
+    if insp.forgetting is None:
+        return (f"<h2>Forgetting, predicted</h2><p>Not computed: {e(insp.forgetting_note)}.</p>"
+                if insp.forgetting_note else "")
+    per_task = table["per_task"]
+    tids = sorted(per_task)
+    head = ("<tr><th>score at the task's end</th><th>Spearman ρ with the loss increase</th>"
+            "<th>AUROC for 'forgotten'</th>" + "".join(f"<th>AUROC task {t + 1}</th>" for t in tids) + "</tr>")
+    rows = []
+    for z in PREDICTORS:
+        v = table["predictors"][z]
+        cells = [e(figures.PREDICTOR_LABELS.get(z, z)), _fmt(v["spearman"]), _fmt(v["auroc"])]
+        cells += [_fmt(per_task[t]["predictors"][z]["auroc"]) for t in tids]
+        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    counts = ("<tr><td>forgotten / correct at task end</td><td colspan=2>"
+              f"{table['n_forgotten']} / {table['n_correct_task_end']}</td>"
+              + "".join(f"<td>{per_task[t]['n_forgotten']} / {per_task[t]['n_correct_task_end']}</td>" for t in tids)
+              + "</tr>")
+    imgs = "".join(_img(p, {"roc": "ROC for 'forgotten' per score; loss increase against a score",
+                            "forgotten": "the examples the run forgot",
+                            "predicted": "the examples it was predicted to forget"}[k]) for k, p in figs)
+    sources = sorted(set(insp.forgetting.sigma_sources))
+    return f"""<h2>Forgetting, predicted</h2>
+<p>Every training example of tasks 1–{len(insp.run.stream.tasks) - 1} scored at <b>its own task's end</b> (the run's
+task boundary <code>tasks/after_task&lt;t&gt;.pt</code>: the network then, and the method as the next task started,
+with Σ of that boundary) and at <b>the stream's end</b>. Forgotten = correct at its task's end, wrong at the
+stream's end: {table['n_forgotten']} of {table['n_correct_task_end']} ({100 * table['forgotten_fraction']:.2f} %);
+mean loss increase {table['mean_loss_increase']:.3g}. Spearman ρ over all {table['n']} examples; AUROC among those
+correct at their task's end (0.5: chance; a constant score, as 'in the memory' for a method without one, is exactly
+0.5). The "predicted to forget" grid ranks by {e(grid_predictor(table))}, the score with the highest AUROC here.</p>
+<table>{head}{''.join(rows)}{counts}</table>
+<p><b>What this predicts, and what not.</b> The scores are properties of an example under the network of its own
+task's end: how uncertain (tr Λ), how weakly determined (tr V), how influential (‖V e‖₁), how poorly fitted (loss) it
+is, and whether the method keeps it. They do not see the later tasks, so they cannot say which directions later
+training will move; an AUROC above 0.5 says that the examples the run lost were already fragile at their task's end.
+The pooled numbers mix tasks that are forgotten more (usually the first) with the others: the per-task AUROCs show the
+ranking within a task. Σ at the boundaries: {e('; '.join(sources[:2]))}{' …' if len(sources) > 2 else ''}.
+Per example: the <code>*_task_end</code>, <code>loss_final</code>, <code>loss_increase</code> and
+<code>forgotten</code> columns of <a href="scores.csv">scores.csv</a>.</p>
+{imgs}"""
 
 
 def _data_uri(path: Path) -> str:
@@ -314,11 +505,17 @@ def _write_report(insp: Inspection, out: Path, progress: bool, t0: float) -> Pat
         for i in range(len(insp.scores)):
             grids.append(_grids(insp, i, out))
             bar.update(1)
+        extra = _generalisation_html(insp) if insp.generalisation else ""
+        if insp.forgetting is not None:
+            table = insp.forgetting.table()
+            extra += _forgetting_html(insp, table, _forgetting_figures(insp, table, out))
+        else:
+            extra += _forgetting_html(insp, {}, [])
     finally:
         bar.close()
     insp.timings["figures"] = time.perf_counter() - t0
     html_path = out / "index.html"
-    html_path.write_text(_html(insp, csv_path, maps, hists, across, grids))
+    html_path.write_text(_html(insp, csv_path, maps, hists, across, grids, extra))
     return html_path
 
 
@@ -330,7 +527,7 @@ def _img(path: Path, alt: str, width: str = "100%") -> str:
 
 
 def _html(insp: Inspection, csv_path: Path, maps: Path, hists: Path, across: Path,
-          grids: list[list[tuple[str, Path]]]) -> str:
+          grids: list[list[tuple[str, Path]]], extra: str = "") -> str:
     run, e = insp.run, html.escape
     res = run.result
     acc = res.get("acc_matrix") or []
@@ -397,6 +594,7 @@ All scores: <a href="{e(csv_path.name)}">{e(csv_path.name)}</a> (one row per tra
 <th>mean tr Λ</th><th>mean tr Λ (memorable)</th><th>mean sensitivity</th><th>mean sensitivity (memorable)</th>
 <th>stored ∩ top-k now</th></tr>
 {''.join(rows)}</table>
+{extra}
 <h2>Memory maps</h2>{_img(maps, "prediction error against prediction variance, coloured by sensitivity")}
 <h2>Score histograms</h2>{_img(hists, "tr Λ and sensitivity per task", "760px")}
 <h2>The memorable set across tasks</h2>{_img(across, "memorable points vs all, per task")}

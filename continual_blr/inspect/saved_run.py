@@ -21,6 +21,7 @@ Where Σ comes from (:func:`run_covariance`), in this order:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,17 @@ class SavedRun:
     methods: list[str] = field(default_factory=list)
     seed: int = 0
 
+    def at_boundary(self, task: int) -> "SavedRun":
+        """The run as it stood when ``task`` (0-based) ended: the network at that task's end, the method as the next
+        task starts with it. A run loaded from a folder (:class:`continual_blr.saved_run.LoadedRun`) reads it from the
+        folder's ``<method>/tasks/after_task<task>.pt``; a :class:`SavedRun` built in a script keeps no boundaries.
+
+        Raises:
+            LookupError: this run keeps no task boundaries.
+        """
+        raise LookupError(f"run: {self.path} keeps no task boundaries (a SavedRun built in a script; a run folder "
+                          "written since boundaries were kept has them)")
+
 
 def has_memory_store(method: Method) -> bool:
     """Whether ``method`` keeps past examples: memorable points (a regulariser with a ``memory`` store: the FROMP
@@ -76,11 +88,15 @@ def memory_kind(method: Method) -> str:
     return "replay" if isinstance(getattr(method, "buffer", None), ReplayBuffer) else ""
 
 
-def run_covariance(run: SavedRun, prior_precision: float | None = None) -> tuple[Covariance, str]:
+def run_covariance(run: SavedRun, prior_precision: float | None = None,
+                   tasks: Sequence[int] | None = None) -> tuple[Covariance, str]:
     """The weight covariance Σ of a run and a one-line description of where it came from.
 
     See the module docstring for the order. ``prior_precision`` is δ of the fallback diagonal Laplace
-    posterior (ignored when the method has its own Σ).
+    posterior (ignored when the method has its own Σ). ``tasks``: the tasks (indices into the stream) whose
+    training data the fallback's F sums over (default all); a run at the boundary after task t
+    (:meth:`SavedRun.at_boundary`) takes ``range(t + 1)``, the tasks its network had seen. A method's own Σ holds
+    exactly the tasks it has seen and ignores ``tasks``.
     """
     meth, model = run.method, run.model
     reg = getattr(meth, "regularizer", None)
@@ -95,10 +111,19 @@ def run_covariance(run: SavedRun, prior_precision: float | None = None) -> tuple
         if isinstance(post, GaussianPosterior):
             return post, f"{run.method_name}'s posterior ({post.structure.value} precision, {post.dim} weights)"
     delta = DEFAULT_PRIOR_PRECISION if prior_precision is None else float(prior_precision)
-    data = [(t.x_train, t.head) for t in run.stream.tasks]
+    chosen = list(range(len(run.stream.tasks))) if tasks is None else [int(t) for t in tasks]
+    data = [(run.stream.tasks[t].x_train, run.stream.tasks[t].head) for t in chosen]
     post = diag_laplace_posterior(model, data, delta)
-    return post, (f"diagonal Laplace–GGN posterior at the final weights (method {run.method_name!r} carries "
-                  f"none): Σ = diag(1/(F + δ)), F over all tasks' training data, δ = {delta:g}")
+    if len(chosen) == len(run.stream.tasks):
+        which = "every task"
+    elif len(chosen) == 1:
+        which = f"task {chosen[0] + 1}"
+    elif chosen == list(range(chosen[0], chosen[-1] + 1)):
+        which = f"tasks {chosen[0] + 1}–{chosen[-1] + 1}"
+    else:
+        which = f"tasks {', '.join(str(t + 1) for t in chosen)}"
+    return post, (f"diagonal Laplace–GGN posterior at the network's weights (method {run.method_name!r} carries "
+                  f"none): Σ = diag(1/(F + δ)), F over the training data of {which}, δ = {delta:g}")
 
 
 def stored_memory(run: SavedRun) -> dict[int, dict[str, Any]]:
