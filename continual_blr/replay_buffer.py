@@ -22,6 +22,10 @@ stream one minibatch at a time (:meth:`ReplayBuffer.add`) and decides which exam
   Every class seen thus ends with ⌊M / C⌋ or ⌈M / C⌉ examples once it has that many, where a plain
   reservoir gives each class a share proportional to its frequency in the stream.
 
+* ``"task_end"`` — the buffer sees no minibatch; its owner writes its whole content at each task's end
+  (:meth:`ReplayBuffer.assign`): the task-end selection rules of ``er`` / ``derpp`` (``lambda``, ``random``,
+  ``sensitivity``, ``stratified`` per class; :mod:`continual_blr.memory`).
+
 Randomness comes from a ``torch.Generator`` held by the buffer (its state is part of ``state_dict``), so
 two buffers with the same seed that see the same minibatches hold the same examples — in a data-parallel
 run every rank sees the global minibatch and keeps an identical buffer.
@@ -38,9 +42,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["BUFFER_SELECTIONS", "ReplayBuffer", "ReplaySample"]
+__all__ = ["BUFFER_SELECTIONS", "BUFFER_POLICIES", "ReplayBuffer", "ReplaySample"]
 
 BUFFER_SELECTIONS = ("reservoir", "class_balanced")
+"""The rules that choose examples from the training stream, minibatch by minibatch."""
+BUFFER_POLICIES = BUFFER_SELECTIONS + ("task_end",)
+"""Every policy a buffer takes: the stream rules and ``"task_end"`` (written whole by its owner)."""
 
 
 @dataclass
@@ -65,7 +72,7 @@ class ReplayBuffer:
 
     Args:
         memory_size: M, the number of examples stored in all (over every task).
-        selection: ``"reservoir"`` | ``"class_balanced"`` (see the module docstring).
+        selection: ``"reservoir"`` | ``"class_balanced"`` | ``"task_end"`` (see the module docstring).
         seed: seeds the buffer's own ``torch.Generator`` (which examples are kept, which are replayed).
 
     Attributes:
@@ -76,8 +83,8 @@ class ReplayBuffer:
     def __init__(self, memory_size: int, selection: str = "reservoir", seed: int = 0) -> None:
         if isinstance(memory_size, bool) or not isinstance(memory_size, int) or memory_size < 1:
             raise ValueError(f"memory_size: must be an int >= 1, got {memory_size!r}")
-        if selection not in BUFFER_SELECTIONS:
-            raise ValueError(f"selection: got {selection!r}; allowed: {', '.join(map(repr, BUFFER_SELECTIONS))}")
+        if selection not in BUFFER_POLICIES:
+            raise ValueError(f"selection: got {selection!r}; allowed: {', '.join(map(repr, BUFFER_POLICIES))}")
         self.memory_size = int(memory_size)
         self.selection = selection
         self.generator = torch.Generator().manual_seed(int(seed))
@@ -107,6 +114,8 @@ class ReplayBuffer:
             ``(i, slot)`` pairs in arrival order: example ``i`` of the minibatch is written to ``slot``
             (a later pair may overwrite an earlier one's slot, as the sequential rule would).
         """
+        if self.selection == "task_end":
+            raise RuntimeError("slots: a 'task_end' buffer takes no minibatches; write it with assign()")
         b = int(y.shape[0])
         u = torch.rand(b, generator=self.generator, dtype=torch.float64).tolist()
         if self.selection == "reservoir":
@@ -197,6 +206,36 @@ class ReplayBuffer:
         if self.targets is not None and chosen is not None:
             self.targets[s] = chosen.detach().to(dev, self.targets.dtype)
         return idx.tolist()
+
+    def assign(self, x: Tensor, y: Tensor, head: Tensor, task_id: Tensor, targets: Tensor | None = None) -> None:
+        """Replace the whole content by n ≤ M examples (a ``"task_end"`` buffer, written at each task's end).
+
+        Args:
+            x: inputs [n, ...]; y: labels [n]; head, task_id: int64 [n]; targets: stored vectors [n, K] or None.
+        """
+        n = int(y.shape[0])
+        if n > self.memory_size:
+            raise ValueError(f"x: {n} examples do not fit a buffer of memory_size {self.memory_size}")
+        if n == 0:
+            return
+        self._allocate(x, y, targets)
+        assert self.x is not None and self.y is not None and self.head is not None and self.task_id is not None
+        self.x[:n] = x.detach()
+        self.y[:n] = y
+        self.head[:n] = head.to(self.head.device)
+        self.task_id[:n] = task_id.to(self.task_id.device)
+        if self.targets is not None and targets is not None:
+            self.targets[:n] = targets.detach()
+        self.size = n
+
+    def stored(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None] | None:
+        """The stored examples in slot order: ``(x, y, head, task_id, targets)`` (None while empty)."""
+        if self.size == 0 or self.x is None:
+            return None
+        assert self.y is not None and self.head is not None and self.task_id is not None
+        n = self.size
+        return (self.x[:n], self.y[:n], self.head[:n], self.task_id[:n],
+                None if self.targets is None else self.targets[:n])
 
     # ------------------------------------------------------------------------------------ replay
 

@@ -47,6 +47,7 @@ from torch.func import vmap
 
 from ..curvature import curvature, eval_mode, per_example_jacobians
 from ..curvature._engine import model_kwargs
+from ..curvature.prediction_covariance import diag_prediction_covariance as _diag_prediction_covariance
 from ..posteriors import DiagPosterior, FullPosterior, GaussianPosterior
 from ..types import KronCurvature, ParamDict, flatten, params_of, unflatten
 
@@ -200,56 +201,6 @@ def prediction_covariance(
         del rows
         sj = apply(j)
         out.append(torch.einsum("mkp,mlp->mkl", j.reshape(m, k, -1), sj.reshape(m, k, -1)))
-    return torch.cat(out) if out else x.new_zeros(0, 0, 0)
-
-
-def _diag_prediction_covariance(model: nn.Module, x: Tensor, var: ParamDict, head: int,
-                                chunk_size: int | None) -> Tensor:
-    """V_i = J_i diag(s) J_iᵀ without materialising the per-example Jacobian of a Linear layer.
-
-    For a Linear layer J_i,c = g_ic a_iᵀ (backpropagated output gradient g_ic ∈ R^{d_out}, input a_i), so with
-    a diagonal covariance s_W (shape of W) and s_b
-
-        (J_i s Jᵀ_i)_{cc'} = Σ_o g_ic,o g_ic',o [ (s_W (a_i ∘ a_i))_o + s_b,o ],
-
-    one [B, d_in] × [d_in, d_out] product per layer instead of B·K·d_out·d_in numbers. Other layers (Conv2d,
-    BatchNorm, a Linear on sequences) and parameters outside layers use their materialised per-example VJPs,
-    one layer at a time. Equal to the dense route to rounding (``tests/test_inspect.py``).
-    """
-    from contextlib import closing
-
-    from ..curvature.jacobians import output_jacobian_cotangents, passes
-
-    rows = output_jacobian_cotangents(None)
-    out = []
-    with closing(passes(model, x, None, var, lambda f, y, sl, st: rows(f), head=head,
-                        chunk_size=chunk_size)) as run:
-        for p, _ in run:
-            b, k = p.logits.shape
-            v = p.logits.new_zeros(b, k, k)
-            for layer in p.layers:
-                if layer.index not in p.g:  # not reached by this head: zero Jacobian
-                    continue
-                g, a = p.g[layer.index], p.a[layer.index]
-                if layer.kind == "linear" and g.shape[-1] == 1:
-                    g1 = g[..., 0]  # [B, K, d_out]
-                    w = g1.new_zeros(b, g1.shape[-1])
-                    if layer.weight is not None:
-                        w = w + (a[..., 0] ** 2) @ var[layer.weight].reshape(layer.d_out, -1).T
-                    if layer.bias is not None:
-                        w = w + var[layer.bias]
-                    v += torch.einsum("bco,bo,bdo->bcd", g1, w, g1)
-                    continue
-                jw, jb = p.layer_jacobian(layer.index)
-                if layer.weight is not None:
-                    jw = jw.reshape(b, k, -1)
-                    v += torch.einsum("bcp,p,bdp->bcd", jw, var[layer.weight].reshape(-1), jw)
-                if jb is not None and layer.bias is not None:
-                    v += torch.einsum("bco,o,bdo->bcd", jb, var[layer.bias], jb)
-            for name, t in p.other.items():
-                t = t.reshape(b, k, -1)
-                v += torch.einsum("bcp,p,bdp->bcd", t, var[name].reshape(-1), t)
-            out.append(v)
     return torch.cat(out) if out else x.new_zeros(0, 0, 0)
 
 

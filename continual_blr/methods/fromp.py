@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from ..data.stream import Task, TaskStream
-from ..memory import SELECTIONS
+from ..memory import SELECTIONS, SENSITIVITY_SELECTIONS
 from ..regularizers.functional import CLASS_CHOICES, KERNELS, OUTPUTS, FunctionalRegularizer
 from ..types import Batch
 from .base import Method, TrainConfig, mean_nll
@@ -105,7 +105,9 @@ class FunctionalParams:
     Attributes:
         tau: τ, weight of (τ/2) Σ Δpᵀ K⁻¹ Δp relative to the mean cross-entropy (0: no regulariser).
         kernel: ``"classwise"`` | ``"full"`` | ``"kron"`` | ``"identity"`` (FROMP-L2).
-        selection: ``"lambda"`` (top tr Λ) | ``"random"`` (FRORP) | ``"lowest"``.
+        selection: ``"lambda"`` (top tr Λ) | ``"random"`` (FRORP) | ``"lowest"`` | ``"sensitivity"`` (top
+            ‖J Σ Jᵀ e‖₁, the memory-perturbation sensitivity, scored in the task-end pass that forms Σ) |
+            ``"stratified"`` (one random draw per stratum of the sensitivity range); :mod:`continual_blr.memory`.
         prior_precision: δ in Σ = diag(1 / (F + δ)).
         jitter: ε added to each kernel's diagonal.
         output: ``"probs"`` (the paper: Δp, K over softmax probabilities) | ``"logits"`` (centred logits: no
@@ -142,6 +144,9 @@ class FunctionalParams:
             raise ValueError(f"params.kernel: got {self.kernel!r}; allowed: {', '.join(map(repr, KERNELS))}")
         if self.selection not in SELECTIONS:
             raise ValueError(f"params.selection: got {self.selection!r}; allowed: {', '.join(map(repr, SELECTIONS))}")
+        if self.selection in SENSITIVITY_SELECTIONS and self.kernel == "kron":
+            raise ValueError(f"params.selection: {self.selection!r} needs a diagonal Σ; with kernel 'kron' allowed: "
+                             "'lambda', 'random', 'lowest'")
         if self.classes not in CLASS_CHOICES:
             raise ValueError(f"params.classes: got {self.classes!r}; allowed: {', '.join(map(repr, CLASS_CHOICES))}")
         if not self.tau >= 0:

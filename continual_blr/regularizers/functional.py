@@ -45,7 +45,13 @@ Kernel variants (``kernel=``):
   curvature is computed.
 
 Selection (``selection=``): ``"lambda"`` (FROMP: top tr Λ per class), ``"random"`` (FRORP),
-``"lowest"`` (ablation) — see :mod:`continual_blr.memory`.
+``"lowest"`` (ablation), ``"sensitivity"`` (top memory-perturbation sensitivity ‖J Σ Jᵀ e‖₁ per class) and
+``"stratified"`` (one random draw per stratum of the sensitivity range) — see :mod:`continual_blr.memory`. The
+sensitivity needs Σ = diag(1 / (F + δ)) with the task just ended in F: it is computed in the pass that
+accumulates F at the task's end (identity cotangents: the GGN diagonal and the per-example J Σ Jᵀ from one
+backward; :mod:`continual_blr.curvature.prediction_covariance`), so the selection adds no Jacobian pass. With
+``kernel="identity"`` no Σ is formed; the pass is then a diagonal GGN pass over the task's data, Σ its own
+(F₀ = 0). ``kernel="kron"`` takes no sensitivity selection (its Σ is not diagonal).
 
 Compared outputs (``output=``):
 
@@ -121,7 +127,17 @@ from torch import Tensor, nn
 
 from ..curvature import curvature, eval_mode, kernel
 from ..data.stream import Task
-from ..memory import SELECTIONS, MemoryEntry, MemoryStore, NormStatistics, forward, select_memorable
+from ..memory import (
+    SELECTIONS,
+    SENSITIVITY_SELECTIONS,
+    MemoryEntry,
+    MemoryStore,
+    NormStatistics,
+    forward,
+    select_memorable,
+    select_per_class,
+    selection_scores,
+)
 from ..mixed_precision import full_precision
 from ..types import Batch, KronBlock, KronCurvature, ParamDict, params_of
 
@@ -320,6 +336,9 @@ class FunctionalRegularizer:
             raise ValueError(f"kernel: got {kernel!r}; allowed: {', '.join(map(repr, KERNELS))}")
         if selection not in SELECTIONS:
             raise ValueError(f"selection: got {selection!r}; allowed: {', '.join(map(repr, SELECTIONS))}")
+        if selection in SENSITIVITY_SELECTIONS and kernel == "kron":
+            raise ValueError(f"selection: {selection!r} needs a diagonal Σ; kernel 'kron' allows 'lambda', 'random', "
+                             "'lowest'")
         if classes not in CLASS_CHOICES:
             raise ValueError(f"classes: got {classes!r}; allowed: {', '.join(map(repr, CLASS_CHOICES))}")
         if not (isinstance(tau, (int, float)) and tau >= 0 and math.isfinite(tau)):
@@ -332,7 +351,7 @@ class FunctionalRegularizer:
             raise ValueError(f"jitter: must be >= 0, got {jitter}")
         if memory_size is not None and int(memory_size) < 1:
             raise ValueError(f"memory_size: must be >= 1 or None, got {memory_size}")
-        if selection == "random" and generator is None:
+        if selection in ("random", "stratified") and generator is None:
             generator = torch.Generator().manual_seed(0)
         self.memory_size = None if memory_size is None else int(memory_size)
         self.tau = float(tau)
@@ -400,12 +419,28 @@ class FunctionalRegularizer:
 
     @full_precision
     def on_task_end(self, model: nn.Module, task: Task) -> None:
-        """Accumulate this task's curvature at the current weights, then store its memorable points."""
-        if self.kernel in ("classwise", "full", "kron"):
-            self._accumulate_curvature(model, task)
-        n_points = self.n_points if self.memory_size is None else self.share_memory(task)
-        idx, scores = select_memorable(model, task.x_train, task.y_train, n_points, head=task.head,
-                                       selection=self.selection, generator=self.generator)
+        """Accumulate this task's curvature at the current weights, then store its memorable points (a sensitivity
+        selection scores them in the curvature's own pass, module docstring)."""
+        if self.selection in SENSITIVITY_SELECTIONS:
+            prior = None
+            if self.kernel != "identity" and self.fisher is not None:
+                prior = {k: _match(self.fisher.get(k), p) for k, p in params_of(model).items()}
+            all_scores, ggn = selection_scores(model, task.x_train, task.y_train, selection=self.selection,
+                                               head=task.head, prior_precision=self.prior_precision,
+                                               prior_ggn=prior, chunk_size=self.chunk_size)
+            if self.kernel != "identity":
+                old = self.fisher or {}
+                self.fisher = {k: _match(old.get(k), v) + v.detach() for k, v in ggn.items()}
+            n_points = self.n_points if self.memory_size is None else self.share_memory(task)
+            idx = select_per_class(all_scores, task.y_train.to(all_scores.device), n_points,
+                                   selection=self.selection, generator=self.generator)
+            scores = all_scores
+        else:
+            if self.kernel in ("classwise", "full", "kron"):
+                self._accumulate_curvature(model, task)
+            n_points = self.n_points if self.memory_size is None else self.share_memory(task)
+            idx, scores = select_memorable(model, task.x_train, task.y_train, n_points, head=task.head,
+                                           selection=self.selection, generator=self.generator)
         self.memory.add(MemoryEntry(
             task_id=task.task_id, head=task.head, x=task.x_train[idx].detach().clone(),
             y=task.y_train[idx].clone(), indices=idx.clone(), scores=scores[idx].clone(),
