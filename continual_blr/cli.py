@@ -75,7 +75,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
-_RESUME_KEEPS = ("device", "data_dir", "threads", "no_progress", "tensorboard")
+_RESUME_KEEPS = ("device", "data_dir", "threads", "no_progress", "tensorboard", "log_loo")
 _RESUME_REFUSES = {"config": "CONFIG", "method": "--method", "seed": "--seed", "seeds": "--seeds", "out": "--out",
                    "epochs": "--epochs", "validation": "--validation", "quick": "--quick", "overwrite": "--overwrite",
                    "scenario": "--scenario",
@@ -335,6 +335,8 @@ def _check_flags(args: argparse.Namespace) -> str | None:
         return "--ray: runs the seeds of --seeds as Ray tasks; give --seeds S [S ...]"
     if args.overwrite and args.out is None:
         return "--overwrite: needs --out DIR (runs without --out always get a new folder)"
+    if args.log_loo and args.seeds is not None:
+        return "--log-loo: logs a single run; drop --seeds (or run each seed with --seed S --log-loo)"
     if args.tensorboard:
         from .run_logs import tensorboard_available
 
@@ -346,7 +348,7 @@ def _check_flags(args: argparse.Namespace) -> str | None:
                  if getattr(args, key) or (key == "channels_last" and args.channels_last is not None)]
         if given:
             return (f"--resume: continues the run as it was configured; drop {given[0]} (allowed with --resume: "
-                    "--device, --data-dir, --threads, --no-progress, --tensorboard)")
+                    "--device, --data-dir, --threads, --no-progress, --tensorboard, --log-loo)")
     return None
 
 
@@ -405,7 +407,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             if seeds is not None:
                 return _run_sweep(cfg, seeds, args)
             results = run_config(cfg, overwrite=args.overwrite, resume=args.resume is not None,
-                                 tensorboard=args.tensorboard)
+                                 tensorboard=args.tensorboard, log_loo=args.log_loo)
     except RunInterrupted as stop:
         print(f"continual-blr: interrupted: {stop.summary()}; kept in {stop.out}; resume with: "
               f"continual-blr run --resume {stop.out}", file=sys.stderr)
@@ -552,6 +554,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "busy machine (docs/runs.md)")
     run.add_argument("--tensorboard", action="store_true",
                      help="also write TensorBoard events to RUN/tensorboard/ (needs the tensorboard package)")
+    run.add_argument("--log-loo", action="store_true",
+                     help="at every task end also log the leave-one-out estimate of each seen task's test NLL and "
+                          "accuracy from its training data, beside the measured ones, to RUN/<method>/"
+                          "generalisation.csv (one covariance and one scoring pass per task end; docs/inspect.md)")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
     run.add_argument("--import", dest="imports", action="append", metavar="MODULE",
                      help="a module (name or .py path) that registers methods of your own (repeatable; recorded "

@@ -5,6 +5,9 @@ Files (per method, see ``docs/runs.md``):
 
     <run>/<method>/train_log.csv   task, epoch, train_loss[, clipped_fraction]   (one row per epoch; from 1)
     <run>/<method>/accuracy.csv    after_task, task, accuracy     (R[i, j] for j <= i, after each task i)
+    <run>/<method>/generalisation.csv  after_task, task, train_nll, loo_nll, test_nll, nll_gap, train_acc, loo_acc,
+                                   test_acc, seconds   (only with ``--log-loo``: the leave-one-out estimate of each
+                                   seen task's test NLL from its training data, beside the measured one)
     <run>/tensorboard/<method>/    scalars train_loss/task<i>, accuracy/task<j>, avg_accuracy (with tensorboard=True)
 
 Tasks count from 0, as ``task_id`` elsewhere. On resume the rows of unfinished tasks are dropped
@@ -19,10 +22,13 @@ from typing import Any
 from .loop import LoopProgress
 from .run_folder import RunFolder
 
-__all__ = ["TrainingLog", "tensorboard_available", "TRAIN_LOG", "ACCURACY_LOG"]
+__all__ = ["TrainingLog", "tensorboard_available", "TRAIN_LOG", "ACCURACY_LOG", "GENERALISATION_LOG"]
 
 TRAIN_LOG = "train_log.csv"
 ACCURACY_LOG = "accuracy.csv"
+GENERALISATION_LOG = "generalisation.csv"
+GENERALISATION_COLUMNS = ["after_task", "task", "train_nll", "loo_nll", "test_nll", "nll_gap", "train_acc", "loo_acc",
+                          "test_acc", "seconds"]
 
 
 def tensorboard_available() -> str | None:
@@ -56,6 +62,7 @@ class TrainingLog:
         """Drop the rows of tasks ``>= next_task`` (written by an interrupted run before its checkpoint)."""
         self.folder.trim_csv(f"{self.method}/{TRAIN_LOG}", lambda r: int(r["task"]) < next_task)
         self.folder.trim_csv(f"{self.method}/{ACCURACY_LOG}", lambda r: int(r["after_task"]) < next_task)
+        self.folder.trim_csv(f"{self.method}/{GENERALISATION_LOG}", lambda r: int(r["after_task"]) < next_task)
 
     def epoch(self, task: int, epoch: int, loss: float, stats: dict[str, float] | None = None) -> None:
         """Record one epoch's mean training loss (``epoch`` 0-based as the loop counts; written 1-based) and the
@@ -81,6 +88,19 @@ class TrainingLog:
             if seen:
                 self._tb.add_scalar("avg_accuracy", sum(seen) / len(seen), i)
             self._tb.flush()
+
+    def generalisation(self, after_task: int, rows: list[Any], seconds: float) -> None:
+        """Record the leave-one-out estimates at the end of task ``after_task``: one row per seen task
+        (:class:`continual_blr.inspect.Generalisation`), ``seconds`` the time the estimate took (Σ and scores)."""
+        for g in rows:
+            self.folder.append_csv(f"{self.method}/{GENERALISATION_LOG}", GENERALISATION_COLUMNS,
+                                   [after_task, g.task_id, *map(repr, (g.train_nll, g.loo_nll, g.test_nll, g.nll_gap,
+                                                                       g.train_acc, g.loo_acc, g.test_acc)),
+                                    f"{seconds:.3f}"])
+        if self._tb is not None:
+            for g in rows:
+                self._tb.add_scalar(f"loo_nll/task{g.task_id}", g.loo_nll, after_task)
+                self._tb.add_scalar(f"test_nll/task{g.task_id}", g.test_nll, after_task)
 
     def close(self) -> None:
         if self._tb is not None:

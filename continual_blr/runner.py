@@ -323,6 +323,21 @@ def restore_checkpoint(state: dict[str, Any], model: nn.Module, method: Method) 
                          "was it written by another version?")
 
 
+def _log_generalisation(log: TrainingLog | None, model: nn.Module, method: Method, stream: TaskStream, name: str,
+                        task_index: int) -> None:
+    """``--log-loo``: the leave-one-out estimates of the seen tasks at this task end into ``generalisation.csv``."""
+    import time
+
+    from .distributed import is_main_process
+    from .inspect.generalisation import generalisation_at_task_end
+
+    if log is None or not is_main_process():
+        return
+    t0 = time.perf_counter()
+    rows = generalisation_at_task_end(model, method, stream, name, task_index)
+    log.generalisation(task_index, rows, time.perf_counter() - t0)
+
+
 def _warm_up() -> None:
     """Pay the process's one-time start-up costs before any method's training is timed, so that the ``time s``
     column measures each method alone: the first ``torch.optim`` optimiser imports ``torch._dynamo`` (about 2 s),
@@ -342,7 +357,8 @@ def _epoch_hooks(*hooks: EpochHook | None) -> EpochHook | None:
 
 
 def run_config(cfg: RunConfig, save: bool = True, *, overwrite: bool = False, resume: bool = False,
-               tensorboard: bool = False, on_epoch: EpochHook | None = None) -> list[StreamResult]:
+               tensorboard: bool = False, on_epoch: EpochHook | None = None,
+               log_loo: bool = False) -> list[StreamResult]:
     """Run every method of ``cfg`` on its stream, keeping the run folder current.
 
     The folder is ``cfg.out`` under the overwrite policy of :func:`resolve_out` (a new time-stamped
@@ -358,6 +374,10 @@ def run_config(cfg: RunConfig, save: bool = True, *, overwrite: bool = False, re
         tensorboard: also write TensorBoard events (``torch.utils.tensorboard`` must import).
         on_epoch: ``on_epoch(task_index, epoch, mean_loss)`` after every epoch of every method (beside the run
             log's own), e.g. for the benchmarks' executed-code fingerprint.
+        log_loo: at every task end also write ``<method>/generalisation.csv``: the leave-one-out estimate of every
+            seen task's test NLL and accuracy from its training data, beside the measured ones
+            (:func:`continual_blr.inspect.generalisation.generalisation_at_task_end`; one Σ and one scoring pass of
+            the seen tasks' training data per task end). Off by default: it costs time and changes no result.
 
     Raises:
         RunExistsError: ``cfg.out`` holds a run and neither ``overwrite`` nor ``resume``.
@@ -431,6 +451,8 @@ def run_config(cfg: RunConfig, save: bool = True, *, overwrite: bool = False, re
                     assert log is not None
                     log.task_end(progress)
                     writer.write_results()
+                if log_loo:  # after the boundary is on disk: an interrupt here loses only this log's rows
+                    _log_generalisation(log, model, method, stream, mc.name, progress.next_task - 1)
 
             try:
                 result = run_stream(model, stream, method, train, seed=cfg.seed, device=cfg.device,

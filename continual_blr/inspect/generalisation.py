@@ -41,7 +41,8 @@ from ..curvature._engine import model_kwargs
 from ..data.stream import Task
 from .scores import ExampleScores
 
-__all__ = ["Generalisation", "log_probs", "loo_estimate", "test_fit", "generalisation", "LOG_FLOOR"]
+__all__ = ["Generalisation", "log_probs", "loo_estimate", "test_fit", "generalisation", "generalisation_at_task_end",
+           "LOG_FLOOR"]
 
 LOG_FLOOR = float(torch.finfo(torch.float32).tiny)
 """Probabilities are clamped at this value before their log (float32's smallest normal number: −log ≤ 87.3)."""
@@ -147,3 +148,38 @@ def generalisation(model: nn.Module, task: Task, scores: ExampleScores) -> Gener
     return Generalisation(task_id=int(task.task_id), n_train=est["n"], n_test=test["n"],
                           train_nll=est["train_nll"], train_acc=est["train_acc"], loo_nll=est["loo_nll"],
                           loo_acc=est["loo_acc"], test_nll=test["nll"], test_acc=test["acc"])
+
+
+def generalisation_at_task_end(model: nn.Module, method, stream, method_name: str, task_index: int, *,
+                               prior_precision: float | None = None) -> list[Generalisation]:
+    """:func:`generalisation` of every task seen so far (0..``task_index``) at the current weights, with the Σ the
+    inspection would use at this boundary (:func:`~.saved_run.run_covariance` of the method as the next task
+    starts; a method without its own Σ: the diagonal Laplace over tasks 0..``task_index`` only). What
+    ``continual-blr run --log-loo`` writes to ``<method>/generalisation.csv`` at every task end.
+
+    Reads the model and the method and changes neither (eval mode inside, no generator drawn from).
+
+    Args:
+        model: the network as the task ended.
+        method: the method after its task-end update.
+        stream: the run's stream (its tasks' training and test data).
+        method_name: the method's name (for Σ's description).
+        task_index: the task that just ended (0-based index into ``stream.tasks``).
+        prior_precision: δ of the fallback diagonal Laplace Σ.
+    """
+    from pathlib import Path
+
+    from .saved_run import SavedRun, run_covariance
+    from .scores import score_examples
+
+    run = SavedRun(path=Path("."), method_name=method_name, stream=stream, model=model, method=method)
+    seen = range(int(task_index) + 1)
+    sigma, _ = run_covariance(run, prior_precision, tasks=seen)
+    dev = next(model.parameters()).device
+    out = []
+    for j in seen:
+        task = stream.tasks[j]
+        s = score_examples(model, task.x_train.to(dev), task.y_train.to(dev), sigma, head=task.head,
+                           task_id=task.task_id)
+        out.append(generalisation(model, task, s))
+    return out
