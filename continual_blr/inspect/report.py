@@ -351,7 +351,8 @@ def _forgetting_figures(insp: Inspection, table: dict, out: Path) -> list[tuple[
         images(rows_f), caps_f, out / "forgotten.png",
         title=f"forgotten: correct at their task's end, wrong at the stream's end — {len(rows_f)} of "
               f"{int(forgotten.sum())} with the largest loss increase Δℓ", bad=[True] * len(rows_f))))
-    caps_p = [caption(r, f"{z[:4]}={float(score[r]):.2g}") for r in rows_p]
+    short = {"relevance": "trΛ", "variance": "trV", "sensitivity": "s"}.get(z, z)
+    caps_p = [caption(r, f"{short}={float(score[r]):.2g}") for r in rows_p]
     hit = [bool(forgotten[r]) for r in rows_p]
     written.append(("predicted", figures.plot_example_grid(
         images(rows_p), caps_p, out / "predicted_to_forget.png",
