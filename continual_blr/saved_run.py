@@ -459,7 +459,7 @@ def validate_run(run: LoadedRun, n: int, *, task: int | None = None, epochs: int
 
     from .inspect.validate import DEFAULT_VALIDATE_EPOCHS, validate_sensitivity, validation_covariance
 
-    tasks = run.stream.tasks
+    tasks = [task_.to(run.device) for task_ in run.stream.tasks]  # a GPU run retrains on the GPU
     t = len(tasks) - 1 if task is None else task
     if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < len(tasks):
         raise ValueError(f"task: the stream has {len(tasks)} tasks, allowed indices 0..{len(tasks) - 1}; got {task!r}")

@@ -247,7 +247,7 @@ def validate_sensitivity(
     e, cov, p = scores.error[rows], scores.covariance[rows], scores.probs[rows]
     plain, lev = scores.loo_shift[rows], leverage_shift(e, cov, p)
     y = task.y_train[rows].long().to(f.device)
-    idx = torch.arange(rows.numel())
+    idx = torch.arange(rows.numel(), device=f.device)
     retrain = dataclasses.replace(train, epochs=int(epochs))
     t0, c0 = time.perf_counter(), time.process_time()
     bar = tqdm(total=rows.numel() + 2, desc=f"validate task {task.task_id}", leave=False,
