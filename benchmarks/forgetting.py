@@ -68,6 +68,7 @@ def run_one(stream: str, method: str, seed: int, folder: Path, threads: int, ext
     cmd = ["continual-blr", "run", f"configs/{stream}/{method}.yaml", "--out", str(folder), "--seed", str(seed),
            "--threads", str(threads), "--no-progress", "--overwrite", *(extra or [])]
     start = run_records.process_start()
+    prov_start = run_records.provenance() | {"library_hash": run_records.library_hash()}  # the tree the run imports
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     print(f"forgetting: {' '.join(cmd)}", file=sys.stderr, flush=True)
@@ -76,7 +77,7 @@ def run_one(stream: str, method: str, seed: int, folder: Path, threads: int, ext
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     info = {"command": " ".join(cmd), "wall_s": wall,
             "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
-            "start": start, "provenance": run_records.provenance()}
+            "start": start, "provenance": prov_start}
     prov.write_text(json.dumps(info, indent=2))
     return info
 
@@ -124,11 +125,12 @@ def _clean(x: Any) -> Any:
     return x
 
 
-def record(stream: str, method: str, seed: int, folder: Path, run_info: dict, result: dict, argv: list[str]) -> Path:
+def record(stream: str, method: str, seed: int, folder: Path, run_info: dict, result: dict, argv: list[str],
+           analysis_provenance: dict) -> Path:
     rec = {"benchmark": "forgetting", "stream": stream, "method": method, "seed": seed,
            "config_file": f"configs/{stream}/{method}.yaml", "run_folder": str(folder),
            "run": run_info, "analysis": {"command": "python benchmarks/forgetting.py " + " ".join(argv),
-                                         "provenance": run_records.provenance(), "date": run_records.now_utc()},
+                                         "provenance": analysis_provenance, "date": run_records.now_utc()},
            **result}
     path = RECORDS / stream / f"{method}-seed{seed}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -144,12 +146,15 @@ def _load_records() -> list[dict]:
 
 
 def _ms(values: list[float | None], digits: int = 2) -> str:
+    """mean ± sample std of the defined values; "(k of n)" when only k of the n seeds define one (e.g. an AUROC
+    with no forgotten example)."""
     v = [x for x in values if x is not None and not (isinstance(x, float) and math.isnan(x))]
     if not v:
         return "–"
+    part = f" ({len(v)} of {len(values)})" if len(v) < len(values) else ""
     if len(v) == 1:
-        return f"{v[0]:.{digits}f}"
-    return f"{statistics.mean(v):.{digits}f} ± {statistics.stdev(v):.{digits}f}"
+        return f"{v[0]:.{digits}f}{part}"
+    return f"{statistics.mean(v):.{digits}f} ± {statistics.stdev(v):.{digits}f}{part}"
 
 
 def table_from_records() -> str:
@@ -164,7 +169,9 @@ def table_from_records() -> str:
              "correlation of the score with the loss increase −log p_y(stream's end) − (−log p_y(task's end)), "
              "over all examples. AUROC: for 'forgotten' (correct at its task's end, wrong at the stream's), among "
              "the examples correct at their task's end; 0.5 is chance, a constant score (no memory) exactly 0.5. "
-             "mean ± sample std over seeds (n in the seeds column). Scores: tr Λ relevance Σ p(1 − p); tr V = "
+             "mean ± sample std over seeds; '(k of n)': only k seeds forgot anything. For binary heads tr Λ = "
+             "2p(1 − p) and the loss −log p rank the examples correct at their task's end identically (same AUROC). "
+             "Scores: tr Λ relevance Σ p(1 − p); tr V = "
              "tr J Σ Jᵀ; ‖Ve‖₁ the leave-one-out sensitivity (Nickl et al. 2023); memory: stored by the method "
              "as the next task starts; loss: −log p_y at the task's end (a baseline).", ""]
     for stream in STREAMS:
@@ -172,7 +179,7 @@ def table_from_records() -> str:
         if not rows:
             continue
         lines += [f"## {stream.replace('_', ' ')}", "",
-                  "| method | seeds | final avg acc % | forgotten / correct at task end | "
+                  "| method | seeds | final avg acc % | forgotten / correct at task end, per seed | "
                   + " | ".join(f"ρ {LABELS[z]}" for z in PREDICTORS) + " | "
                   + " | ".join(f"AUROC {LABELS[z]}" for z in PREDICTORS) + " |",
                   "|---|---|---|---|" + "---|" * (2 * len(PREDICTORS))]
@@ -181,11 +188,19 @@ def table_from_records() -> str:
             if not rs:
                 continue
             f = [r["forgetting"] for r in rs]
-            forg = " / ".join([_ms([x["n_forgotten"] for x in f], 0), _ms([x["n_correct_task_end"] for x in f], 0)])
+            forg = ", ".join(f"{x['n_forgotten']} / {x['n_correct_task_end']}" for x in f)
+            stores = any(x["predictors"]["memory"]["auroc"] not in (None, 0.5) or x["predictors"]["memory"]["spearman"]
+                         is not None for x in f)
+
+            def cell(z: str, key: str, digits: int) -> str:
+                if z == "memory" and not stores:
+                    return "no memory"
+                return _ms([x["predictors"][z][key] for x in f], digits)
+
             cells = [METHOD_LABELS[m], ",".join(str(r["seed"]) for r in rs),
                      _ms([100 * r["avg_acc"] for r in rs]), forg]
-            cells += [_ms([x["predictors"][z]["spearman"] for x in f]) for z in PREDICTORS]
-            cells += [_ms([x["predictors"][z]["auroc"] for x in f], 3) for z in PREDICTORS]
+            cells += [cell(z, "spearman", 2) for z in PREDICTORS]
+            cells += [cell(z, "auroc", 3) for z in PREDICTORS]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     lines += ["## Generalisation from training data alone: the leave-one-out estimate of each task's test NLL", "",
@@ -219,10 +234,14 @@ def table_from_records() -> str:
                   f"{c['log_loo']['wall_s']:.1f} s wall ({c['log_loo']['cpu_s']:.1f} s CPU); the log's own "
                   f"`seconds` column sums to {c['logged_seconds']:.1f} s over the {c['task_ends']} task ends. "
                   f"Same accuracy matrix: {c['same_acc_matrix']}.", ""]
-    commits = sorted({(r["analysis"]["provenance"]["commit"] or "?")[:9] for r in recs})
-    run_commits = sorted({(r["run"]["provenance"]["commit"] or "?")[:9] for r in recs})
-    lines += [f"Records: {len(recs)}; runs made at commit(s) {', '.join(run_commits)}, analysed at "
-              f"{', '.join(commits)}.", ""]
+    def prov(p: dict) -> str:
+        return f"{(p['commit'] or '?')[:9]}{' (dirty)' if p.get('dirty') else ''} / library {p['library_hash']}"
+
+    run_p = sorted({prov(r["run"]["provenance"]) for r in recs})
+    ana_p = sorted({prov(r["analysis"]["provenance"]) for r in recs})
+    lines += [f"Records: {len(recs)}. Runs made at {'; '.join(run_p)}. Analysed at {'; '.join(ana_p)} "
+              "('dirty': tracked files under continual_blr/, configs/ or benchmarks/ differed from the commit — "
+              "others' edits in a shared tree).", ""]
     return "\n".join(lines)
 
 
@@ -272,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.log_loo_cost:
         print(f"wrote {log_loo_cost(args.runs, args.threads, argv)}")
         return 0
+    analysis_provenance = run_records.provenance()  # the library this process analyses with, imported now
+    import continual_blr.inspect  # noqa: F401
+    import continual_blr.saved_run  # noqa: F401
     for stream in args.streams:
         seeds = args.seeds_mnist if stream == "split_mnist" else args.seeds_digits
         for seed in seeds:
@@ -284,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
                       + ", ".join(f"{z} ρ {t['predictors'][z]['spearman']:.3f} AUROC {t['predictors'][z]['auroc']:.3f}"
                                   for z in PREDICTORS), flush=True)
                 if not args.no_write:
-                    print(f"  wrote {record(stream, method, seed, folder, info, res, argv)}", flush=True)
+                    print(f"  wrote {record(stream, method, seed, folder, info, res, argv, analysis_provenance)}",
+                          flush=True)
     if not args.no_write:
         TABLE.write_text(table_from_records())
         print(f"wrote {TABLE}")
