@@ -99,9 +99,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if val is not None:
         s = val.summary()
         print(f"validated task {val.task_id} (0-based) against {len(val)} retrainings of {val.epochs} epochs "
-              f"({s['seconds']:.0f} s): Spearman {s['spearman_sensitivity']:.2f} (sensitivity), "
-              f"{s['spearman_leverage']:.2f} (leverage-corrected deviation), {s['spearman_plain']:.2f} (plain); "
-              f"noise floor (median) {s['median_noise_floor']:.2g}")
+              f"({s['seconds']:.0f} s): Spearman with the true deviation {s['spearman_sensitivity']:.2f} (sensitivity), "
+              f"{s['spearman_linear']:.2f} (linearised), {s['spearman_plain']:.2f} (plain), "
+              f"{s['spearman_leverage']:.2f} (leverage-corrected); median noise floor {s['median_noise_floor']:.2g}")
     print(f"wrote {index}")
     return 0
 
