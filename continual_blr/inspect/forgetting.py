@@ -232,8 +232,8 @@ def forgetting_table(f: Forgetting, predictors: Sequence[str] = PREDICTORS) -> d
     examples correct at their task's end), pooled and per task; with the counts.
 
     Returns:
-        ``{"n", "n_correct_task_end", "n_forgotten", "forgotten_fraction", "mean_loss_increase",
-        "predictors": {z: {"spearman", "auroc"}}, "per_task": {t: {... the same for task t}}}``.
+        A dict with ``n``, ``n_correct_task_end``, ``n_forgotten``, ``forgotten_fraction``, ``mean_loss_increase``,
+        ``predictors`` (``{z: {"spearman": ρ, "auroc": AUC}}``) and ``per_task`` (``{t: the same for task t}``).
     """
     def one(g: Forgetting) -> dict[str, Any]:
         at_risk = g.correct_task_end
@@ -303,7 +303,9 @@ def score_forgetting(run: SavedRun, boundary: Callable[[int], SavedRun] | None =
         progress: called with a short label before each task (e.g. a progress bar's postfix).
 
     Raises:
-        LookupError (``FileNotFoundError`` and the like): the run kept no boundaries (older run folders).
+        LookupError: ``run`` keeps no task boundaries (a :class:`SavedRun` built in a script).
+        FileNotFoundError: a run folder written before boundaries were kept
+            (:class:`continual_blr.saved_run.RunNotFoundError`).
     """
     boundary = boundary or run.at_boundary
     tasks = run.stream.tasks

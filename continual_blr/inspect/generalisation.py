@@ -13,8 +13,11 @@ alone, without refitting and without test data — is
     NLL_loo = (1/N) Σ_i −log softmax(f_i + V_i e_i)_{y_i},
     acc_loo = (1/N) Σ_i 1[argmax_k (f_i + V_i e_i)_k = y_i],
 
-beside the plug-in training values NLL_train = (1/N) Σ_i −log softmax(f_i)_{y_i} (optimistic: each example was fitted)
-and the measured test values on the task's test set, NLL_test = (1/M) Σ_m −log softmax(f(x_m))_{y_m} and acc_test.
+beside the plug-in training values and the measured values on the task's test set,
+
+    NLL_train = (1/N) Σ_i −log softmax(f_i)_{y_i}       (optimistic: each example was fitted)
+    NLL_test  = (1/M) Σ_m −log softmax(f(x_m))_{y_m},   acc_test likewise.
+
 All are the network's own softmax at θ̂ (not a method's sampled predictive), so the four are comparable.
 
 What it estimates: the expected loss of the network on new examples from the task's training distribution (a test
