@@ -323,19 +323,20 @@ def restore_checkpoint(state: dict[str, Any], model: nn.Module, method: Method) 
                          "was it written by another version?")
 
 
-def _log_generalisation(log: TrainingLog | None, model: nn.Module, method: Method, stream: TaskStream, name: str,
-                        task_index: int) -> None:
-    """``--log-loo``: the leave-one-out estimates of the seen tasks at this task end into ``generalisation.csv``."""
+def _generalisation_rows(log: TrainingLog | None, model: nn.Module, method: Method, stream: TaskStream, name: str,
+                         task_index: int) -> tuple[list, float] | None:
+    """``--log-loo``: the leave-one-out estimates of the seen tasks at this task end and the seconds they took, for
+    ``TrainingLog.generalisation`` (None where nothing is logged: no log, or not the main process)."""
     import time
 
     from .distributed import is_main_process
     from .inspect.generalisation import generalisation_at_task_end
 
     if log is None or not is_main_process():
-        return
+        return None
     t0 = time.perf_counter()
     rows = generalisation_at_task_end(model, method, stream, name, task_index)
-    log.generalisation(task_index, rows, time.perf_counter() - t0)
+    return rows, time.perf_counter() - t0
 
 
 def _warm_up() -> None:
@@ -441,6 +442,9 @@ def run_config(cfg: RunConfig, save: bool = True, *, overwrite: bool = False, re
                 if not save:
                     return
                 unsaved = _own_unsaved(mc, cfg, stream, train, method, initial) if initial is not None else []
+                # --log-loo: computed before the boundary is written, written with it (an interrupt while it computes
+                # leaves the task unfinished, to be retrained on resume: the log never misses a boundary's rows)
+                loo = _generalisation_rows(log, model, method, stream, mc.name, progress.next_task - 1) if log_loo else None
                 with deferred_interrupts():
                     writer.checkpoint(mc.name, progress, model, method, unsaved)
                     writer.results[mc.name] = _partial_result(mc.name, stream, cfg.seed, progress, record,
@@ -450,9 +454,9 @@ def run_config(cfg: RunConfig, save: bool = True, *, overwrite: bool = False, re
                         folder.save_torch(f"{mc.name}/method.pt", method.state_dict())
                     assert log is not None
                     log.task_end(progress)
+                    if loo is not None:
+                        log.generalisation(progress.next_task - 1, *loo)
                     writer.write_results()
-                if log_loo:  # after the boundary is on disk: an interrupt here loses only this log's rows
-                    _log_generalisation(log, model, method, stream, mc.name, progress.next_task - 1)
 
             try:
                 result = run_stream(model, stream, method, train, seed=cfg.seed, device=cfg.device,

@@ -229,3 +229,42 @@ def test_report_has_both_sections_and_a_run_without_boundaries_says_why(tiny_run
     index, insp = inspect_path(old, method="fromp", out=tmp_path / "rep_old")
     assert insp.forgetting is None and "after_task0.pt" in insp.forgetting_note
     assert "Not computed" in index.read_text()
+
+
+@pytest.mark.parametrize("where", ["while the estimate is computed", "at a task boundary"])
+def test_log_loo_of_an_interrupted_and_resumed_run_equals_the_uninterrupted_one(tiny_runs, tmp_path, monkeypatch,
+                                                                                capsys, where):
+    """Interrupted (Ctrl-C) while the 2nd task end's estimate is computed, or before the 2nd task of fromp, then
+    ``--resume --log-loo``: generalisation.csv equals the uninterrupted run's (the ``seconds`` column aside)."""
+    import importlib
+
+    import continual_blr.loop as loop
+
+    gen = importlib.import_module("continual_blr.inspect.generalisation")  # the module (the package exports a
+    # function of the same name)
+
+    target, name, calls = (gen, "generalisation_at_task_end", 2) if where.startswith("while") else (loop, "fit_task", 5)
+    original = getattr(target, name)
+    count = {"n": 0}
+
+    def wrapped(*args, **kwargs):
+        count["n"] += 1
+        if count["n"] == calls:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    cfg = tiny_runs[1].parent / "tiny.yaml"
+    out = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(target, name, wrapped)
+        assert main(["run", str(cfg), "--out", str(out), "--no-progress", "--log-loo"]) == 130
+    capsys.readouterr()
+    assert main(["run", "--resume", str(out), "--no-progress", "--log-loo"]) == 0
+
+    def rows(p: Path) -> list[dict]:
+        with p.open() as fh:
+            return [{k: v for k, v in r.items() if k != "seconds"} for r in csv.DictReader(fh)]
+
+    for m in ("none", "fromp"):
+        assert rows(out / m / "generalisation.csv") == rows(tiny_runs[1] / m / "generalisation.csv"), m
+        assert (out / m / "accuracy.csv").read_text() == (tiny_runs[1] / m / "accuracy.csv").read_text()
