@@ -76,6 +76,37 @@ def test_auroc_and_spearman_equal_brute_force_with_ties(seed):
     assert math.isnan(spearman(torch.zeros(n), t)) and math.isnan(auroc(s, torch.zeros(n, dtype=torch.bool)))
 
 
+def test_forgetting_table_pooled_and_within_task_auroc_equal_brute_force():
+    """Two tasks: the pooled AUROC over both, each task's own, and the within-task AUROC = Σ_t n₊_t AUC_t / Σ_t n₊_t,
+    all from the brute-force pair count; ρ from the brute-force ranks."""
+    from continual_blr.inspect import Forgetting, forgetting_table
+
+    g = torch.Generator().manual_seed(3)
+    n = 60
+    task = (torch.arange(n) >= 25).long()
+    correct_end = torch.rand(n, generator=g) < 0.9
+    correct_final = correct_end & (torch.rand(n, generator=g) < 0.6 + 0.3 * task)
+    loss_end = torch.randint(0, 5, (n,), generator=g).double()
+    f = Forgetting(task_id=task, index=torch.arange(n), label=torch.zeros(n, dtype=torch.long),
+                   relevance=loss_end, variance=torch.rand(n, generator=g).double() + task,
+                   sensitivity=torch.randint(0, 3, (n,), generator=g).double(), memory=torch.zeros(n, dtype=torch.bool),
+                   loss_task_end=loss_end, loss_final=loss_end + torch.rand(n, generator=g).double(),
+                   correct_task_end=correct_end, correct_final=correct_final)
+    tab = forgetting_table(f)
+    forgotten = correct_end & ~correct_final
+    for z in ("relevance", "variance", "sensitivity"):
+        s = f.score(z)
+        pooled = _brute_auroc(s[correct_end], forgotten[correct_end])
+        assert tab["predictors"][z]["auroc"] == pytest.approx(pooled, rel=1e-12, abs=1e-12)
+        per = [(int((forgotten & (task == t)).sum()),
+                _brute_auroc(s[correct_end & (task == t)], forgotten[correct_end & (task == t)])) for t in (0, 1)]
+        within = sum(k * a for k, a in per) / sum(k for k, _ in per)
+        assert tab["predictors"][z]["auroc_within"] == pytest.approx(within, rel=1e-12, abs=1e-12)
+        assert tab["predictors"][z]["spearman"] == pytest.approx(_brute_spearman(s, f.loss_increase), rel=1e-12,
+                                                                 abs=1e-12)
+    assert tab["predictors"]["memory"]["auroc"] == 0.5 and tab["n_forgotten"] == int(forgotten.sum())
+
+
 # -------------------------------------------------------------------------- LOO NLL vs exact refits (float64)
 
 

@@ -30,6 +30,7 @@ from .forgetting import (
     roc_curve,
     score_forgetting,
     spearman,
+    within_task_auroc,
 )
 from .generalisation import Generalisation, generalisation, loo_estimate, test_fit
 from .report import DEFAULT_TOP, Inspection, inspect_run, write_report
@@ -75,4 +76,5 @@ __all__ = [
     "auroc",
     "average_ranks",
     "roc_curve",
+    "within_task_auroc",
 ]

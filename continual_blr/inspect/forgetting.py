@@ -23,7 +23,9 @@ z (``PREDICTORS``) :func:`forgetting_table` reports, pooled over the examples of
       AUC_z = P(z_i > z_j) + ½ P(z_i = z_j)     i forgotten, j not, both correct at their task's end
             = (R₊ − n₊(n₊ + 1)/2) / (n₊ n₋)     (Mann–Whitney; R₊ the sum of the forgotten examples' average ranks)
 
-AUC 0.5 is chance; a constant predictor (no memory: m ≡ 0) has AUC exactly 0.5 and ρ undefined (NaN).
+AUC 0.5 is chance; a constant predictor (no memory: m ≡ 0) has AUC exactly 0.5 and ρ undefined (NaN). The pooled AUC
+also rewards a score for telling the tasks apart (tr V of an early boundary's Σ is larger, and early tasks are forgotten
+more); :func:`within_task_auroc` averages the per-task AUCs instead, weighted by each task's forgotten examples.
 
 What it predicts and what it does not: the scores are properties of an example under the network of its own task's
 end — how uncertain (r), how weakly determined (tr V), how influential (s), how poorly fitted (ℓ) it is. They do not
@@ -58,6 +60,7 @@ __all__ = [
     "example_loss",
     "collect_forgetting",
     "forgetting_table",
+    "within_task_auroc",
     "score_forgetting",
     "ForgettingAnalysis",
 ]
@@ -233,7 +236,8 @@ def forgetting_table(f: Forgetting, predictors: Sequence[str] = PREDICTORS) -> d
 
     Returns:
         A dict with ``n``, ``n_correct_task_end``, ``n_forgotten``, ``forgotten_fraction``, ``mean_loss_increase``,
-        ``predictors`` (``{z: {"spearman": ρ, "auroc": AUC}}``) and ``per_task`` (``{t: the same for task t}``).
+        ``predictors`` (``{z: {"spearman": ρ, "auroc": AUC, "auroc_within": within_task_auroc}}``) and ``per_task``
+        (``{t: the same for task t}``, without ``auroc_within``).
     """
     def one(g: Forgetting) -> dict[str, Any]:
         at_risk = g.correct_task_end
@@ -251,7 +255,26 @@ def forgetting_table(f: Forgetting, predictors: Sequence[str] = PREDICTORS) -> d
 
     out = one(f)
     out["per_task"] = {int(t): one(f.select(f.task_id == t)) for t in torch.unique(f.task_id).tolist()}
+    for z in predictors:
+        out["predictors"][z]["auroc_within"] = within_task_auroc(out["per_task"], z)
     return out
+
+
+def within_task_auroc(per_task: dict[int, dict[str, Any]], predictor: str) -> float:
+    """The per-task AUROCs of ``predictor`` averaged with weights n₊_t (the task's forgotten examples),
+
+        AUC_within = Σ_t n₊_t AUC_t / Σ_t n₊_t        (tasks with no forgotten example, or none kept, left out),
+
+    so that it ranks examples only against examples of the same task: the pooled AUROC also counts which *task* an
+    example belongs to (a score that differs between tasks and a task that is forgotten more move it). NaN when no
+    task has an AUROC."""
+    num = den = 0.0
+    for v in per_task.values():
+        a = v["predictors"][predictor]["auroc"]
+        if a is not None and not math.isnan(a):
+            num += v["n_forgotten"] * a
+            den += v["n_forgotten"]
+    return num / den if den > 0 else float("nan")
 
 
 @dataclass

@@ -400,14 +400,15 @@ def _forgetting_html(insp: Inspection, table: dict, figs: list[tuple[str, Path]]
     per_task = table["per_task"]
     tids = sorted(per_task)
     head = ("<tr><th>score at the task's end</th><th>Spearman ρ with the loss increase</th>"
-            "<th>AUROC for 'forgotten'</th>" + "".join(f"<th>AUROC task {t + 1}</th>" for t in tids) + "</tr>")
+            "<th>AUROC for 'forgotten' (pooled)</th><th>AUROC within tasks</th>"
+            + "".join(f"<th>AUROC task {t + 1}</th>" for t in tids) + "</tr>")
     rows = []
     for z in PREDICTORS:
         v = table["predictors"][z]
-        cells = [e(figures.PREDICTOR_LABELS.get(z, z)), _fmt(v["spearman"]), _fmt(v["auroc"])]
+        cells = [e(figures.PREDICTOR_LABELS.get(z, z)), _fmt(v["spearman"]), _fmt(v["auroc"]), _fmt(v["auroc_within"])]
         cells += [_fmt(per_task[t]["predictors"][z]["auroc"]) for t in tids]
         rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-    counts = ("<tr><td>forgotten / correct at task end</td><td colspan=2>"
+    counts = ("<tr><td>forgotten / correct at task end</td><td colspan=3>"
               f"{table['n_forgotten']} / {table['n_correct_task_end']}</td>"
               + "".join(f"<td>{per_task[t]['n_forgotten']} / {per_task[t]['n_correct_task_end']}</td>" for t in tids)
               + "</tr>")
@@ -422,7 +423,8 @@ with Σ of that boundary) and at <b>the stream's end</b>. Forgotten = correct at
 stream's end: {table['n_forgotten']} of {table['n_correct_task_end']} ({100 * table['forgotten_fraction']:.2f} %);
 mean loss increase {table['mean_loss_increase']:.3g}. Spearman ρ over all {table['n']} examples; AUROC among those
 correct at their task's end (0.5: chance; a constant score, as 'in the memory' for a method without one, is exactly
-0.5). The "predicted to forget" grid ranks by {e(grid_predictor(table))}, the score with the highest AUROC here.</p>
+0.5); within tasks: the per-task AUROCs averaged with weights the tasks' forgotten counts (the pooled one also rewards
+telling the tasks apart). The "predicted to forget" grid ranks by {e(grid_predictor(table))}, the score with the highest AUROC here.</p>
 <table>{head}{''.join(rows)}{counts}</table>
 <p><b>What this predicts, and what not.</b> The scores are properties of an example under the network of its own
 task's end: how uncertain (tr Λ), how weakly determined (tr V), how influential (‖V e‖₁), how poorly fitted (loss) it
