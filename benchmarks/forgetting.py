@@ -202,6 +202,24 @@ def table_from_records() -> str:
             cells += [cell(z, "spearman", 2) for z in PREDICTORS]
             cells += [cell(z, "auroc", 3) for z in PREDICTORS]
             lines.append("| " + " | ".join(cells) + " |")
+        lines += ["", f"Within tasks ({stream.replace('_', ' ')}): the per-task AUROCs averaged with weights the tasks' "
+                  "forgotten counts (`continual_blr.inspect.forgetting.within_task_auroc`, from the records' per-task "
+                  "values); the pooled AUROC above also rewards a score for telling the tasks apart.", "",
+                  "| method | " + " | ".join(f"AUROC within {LABELS[z]}" for z in PREDICTORS if z != "memory")
+                  + " | AUROC within memory |", "|---|" + "---|" * len(PREDICTORS)]
+        from continual_blr.inspect.forgetting import within_task_auroc
+
+        for m in METHODS:
+            rs = [r for r in rows if r["method"] == m]
+            if not rs:
+                continue
+            cells = [METHOD_LABELS[m]]
+            for z in [p for p in PREDICTORS if p != "memory"] + ["memory"]:
+                if z == "memory" and m != "fromp":
+                    cells.append("no memory")
+                    continue
+                cells.append(_ms([within_task_auroc(r["forgetting"]["per_task"], z) for r in rs], 3))
+            lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     lines += ["## Generalisation from training data alone: the leave-one-out estimate of each task's test NLL", "",
               "LOO NLL = mean over the task's training examples of −log softmax(f_i + V_i e_i)_{y_i} (no test data), "
