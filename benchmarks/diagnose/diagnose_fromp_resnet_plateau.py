@@ -11,7 +11,11 @@ and then trains task 2 with the library's own step (``loop.train_step``) under t
 
 * ``reference``: the config (τ 10, BatchNorm statistics shared and updated by task 2's batches);
 * ``tau0.1``: τ = 0.1 (is it the kernel's scale?);
-* ``frozen``: BatchNorm layers in eval mode while task 2 trains (``train.batchnorm: frozen``: the statistics stay).
+* ``frozen``: BatchNorm layers in eval mode while task 2 trains (``train.batchnorm: frozen``: the statistics stay);
+* ``logits``: the penalty over centred logits (``output: logits``), whose gradient does not vanish at saturation.
+
+A control's name combines these: ``tau<X>`` sets τ = X, ``frozen`` freezes the statistics, a ``logits`` prefix
+compares logits (e.g. ``logits_tau1000``).
 
 At every ``--every``-th step it records, all on the same probe batch and the memorable points:
 
@@ -41,6 +45,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -70,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--task2-epochs", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=128)
     ap.add_argument("--every", type=int, default=1, help="measure every k-th step of task 2")
-    ap.add_argument("--controls", default="reference,tau0.1,frozen")
+    ap.add_argument("--controls", default="reference,tau0.1,frozen,logits")
     ap.add_argument("--cache", default="/tmp/continual_blr_fromp_resnet_task1.pt")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(TRACE))
@@ -94,10 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     params = {**cfg.methods[0].params, "n_points": args.points}
     train = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=cfg.train.lr, grad_clip=cfg.train.grad_clip)
 
-    def fresh():
+    def fresh(output: str = "probs"):
         model = build_model(cfg.model.arch, stream.input_shape, stream.n_outputs, stream.n_heads,
                             generator=torch.Generator().manual_seed(0))
-        method = build_method("fromp", params, seed=0)
+        method = build_method("fromp", {**params, "output": output}, seed=0)
         method.use_likelihood(stream.likelihood, stream.sigma)
         method.setup(model, stream, train)
         return model, method
@@ -122,13 +127,19 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     probe = Batch(t1.x_train[: args.batch_size], t1.y_train[: args.batch_size], t1.head)
     for control in args.controls.split(","):
-        model, method = fresh()
+        output = "logits" if control.startswith("logits") else "probs"
+        model, method = fresh(output)
         model.load_state_dict(state["model"])
-        method.load_state_dict(state["method"])
+        saved = state["method"]
+        if output != "probs":  # the same memory and curvature; the outputs compared are rebuilt at the task start
+            saved = copy.deepcopy(saved)
+            saved["regularizer"]["config"]["output"] = output
+        method.load_state_dict(saved)
         reg = method.regularizer
-        if control == "tau0.1":
-            reg.tau = 0.1
-        frozen = control == "frozen"
+        tau = re.search(r"tau([0-9.]+)", control)
+        if tau:
+            reg.tau = float(tau.group(1))
+        frozen = "frozen" in control
         method.on_task_start(model, t1)  # kernels and stored predictions at task 1's end (eval mode)
         bn1 = _bn_buffers(model)
         entries = list(reg.memory)
