@@ -417,20 +417,12 @@ def inspect_path(path: str | Path, *, out: str | Path | None = None, method: str
         raise ValueError("validate: retrains on one task; give one task (--task) or none (the last task)")
     insp = inspect_run(run, tasks=tasks, top=top, prior_precision=prior_precision, progress=progress)
     insp.timings = {"load": t_load, **insp.timings}
-    insp.validation = None
-    if validate is not None:
+    if validate is not None:  # before the report: its first screen cites the check
         insp.validation = validate_run(run, validate, task=tasks[0] if tasks else None, epochs=validate_epochs,
                                        prior_precision=prior_precision, progress=progress)
         insp.timings["validate"] = insp.validation.seconds
     target = Path(out) if out is not None else run.path / "inspect"
     index = write_report(insp, target, progress=progress)
-    if insp.validation is not None:
-        import json
-
-        from .inspect.validate import plot_validation
-
-        (target / "validation.json").write_text(json.dumps(insp.validation.to_dict(), indent=1))
-        plot_validation(insp.validation, target / "validation.png")
     return index, insp
 
 

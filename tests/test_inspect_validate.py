@@ -137,12 +137,26 @@ def test_cli_validate_writes_the_numbers_and_refuses_bad_input(run, tmp_path, ca
     assert len(payload["rows"]) == 4 and payload["epochs"] == 2
     assert -1.0 <= payload["summary"]["spearman_sensitivity"] <= 1.0
     assert (out / "validation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = (out / "index.html").read_text()
+    first_screen = page[: page.index("<h2>")]  # the report's header, above its first section
+    rho = payload["summary"]["spearman_sensitivity"]
+    assert "checked on this run" in first_screen and f"<b>{rho:.2f}</b>" in first_screen
+    assert 'href="validation.png"' in first_screen
     for bad, flag in ((["--validate", "0"], "--validate:"), (["--validate", "2", "--validate-epochs", "0"],
                                                              "--validate-epochs:")):
         assert main(["inspect", str(run), *bad, "--no-progress", "--out", str(tmp_path / "bad")]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"continual-blr: {flag}") or flag in err, err
         assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_report_without_validate_says_it_was_not_checked(run, tmp_path):
+    out = tmp_path / "report"
+    assert main(["inspect", str(run), "--no-progress", "--out", str(out)]) == 0
+    page = (out / "index.html").read_text()
+    first_screen = page[: page.index("<h2>")]
+    assert "not checked on this run" in first_screen and "--validate N" in first_screen
+    assert not (out / "validation.json").exists()
 
 
 def test_cli_validate_without_kept_boundaries_is_one_line(run, tmp_path, capsys):

@@ -25,6 +25,7 @@ import base64
 import contextlib
 import csv
 import html
+import json
 import math
 import os
 import shutil
@@ -46,6 +47,7 @@ from .forgetting import PREDICTORS, ForgettingAnalysis, score_forgetting
 from .generalisation import Generalisation, generalisation
 from .saved_run import SavedRun, memory_kind, run_covariance, stored_memory
 from .scores import ExampleScores, score_examples
+from .validate import Validation, plot_validation
 
 __all__ = ["Inspection", "inspect_run", "write_report", "DEFAULT_TOP", "MAX_IMAGES", "grid_predictor"]
 
@@ -76,6 +78,8 @@ class Inspection:
         forgetting: every task scored at its own task's end and at the stream's end (:mod:`.forgetting`); None when
             not computed (one task, ``forgetting=False``, or a run folder without task boundaries).
         forgetting_note: why :attr:`forgetting` is None (one line; empty when it is not).
+        validation: the sensitivities checked against retraining (:mod:`.validate`, ``inspect --validate N``); None
+            when not asked for. The report's first screen cites it, and ``validation.json`` / ``validation.png`` hold it.
     """
 
     run: SavedRun
@@ -89,6 +93,7 @@ class Inspection:
     generalisation: list[Generalisation] = field(default_factory=list)
     forgetting: ForgettingAnalysis | None = None
     forgetting_note: str = ""
+    validation: Validation | None = None
 
     def task_label(self, i: int) -> str:
         t = self.tasks[i]
@@ -514,12 +519,45 @@ def _write_report(insp: Inspection, out: Path, progress: bool, t0: float) -> Pat
             extra += _forgetting_html(insp, table, _forgetting_figures(insp, table, out))
         else:
             extra += _forgetting_html(insp, {}, [])
+        validation_png = None
+        if insp.validation is not None:
+            (out / "validation.json").write_text(json.dumps(insp.validation.to_dict(), indent=1))
+            validation_png = out / "validation.png"
+            plot_validation(insp.validation, validation_png)
     finally:
         bar.close()
     insp.timings["figures"] = time.perf_counter() - t0
     html_path = out / "index.html"
-    html_path.write_text(_html(insp, csv_path, maps, hists, across, grids, extra))
+    html_path.write_text(_html(insp, csv_path, maps, hists, across, grids, extra, validation_png))
     return html_path
+
+
+MEASURED_TRUST = ("On split MNIST (task 5; docs/inspect.md, benchmarks/results/tables/inspect_validation.md), 400 "
+                  "examples each left out of a warm-started retraining moved in the order of their sensitivity: "
+                  "Spearman 0.93 (FROMP) and 0.92 (none) between the sensitivity and the true change of the "
+                  "prediction; the magnitudes are not literal.")
+"""What the report says of the scores when the run itself was not validated (measured, with its source)."""
+
+
+def _trust_html(insp: Inspection, figure: Path | None = None) -> str:
+    """The first screen's answer to "how far can I trust these scores?": this run's own check when there is one
+    (with its scatter ``figure``), else the library's measurement."""
+    v = insp.validation
+    if v is None:
+        return (f"<b>How far to trust the scores</b>: not checked on this run (<code>continual-blr inspect RUN "
+                f"--validate N</code> retrains N examples and shows the check here). {html.escape(MEASURED_TRUST)}<br>")
+    s = v.summary()
+    img = _img(figure, "estimated against true leave-one-out deviation, one point per left-out example") if figure else ""
+    return (f"<b>How far to trust the scores — checked on this run</b>: {len(v)} examples of task {v.task_id + 1}, "
+            f"drawn across the sensitivity range, were each left out of a retraining ({v.epochs} epochs from the "
+            f"weights the task ended with, the run's method and optimiser; {s['seconds']:.0f} s). Spearman's ρ between "
+            f"the estimate and the true change ‖softmax(f∖i) − softmax(f ref)‖₁ of the example's prediction: "
+            f"<b>{s['spearman_sensitivity']:.2f}</b> for the sensitivity ‖V e‖₁, {s['spearman_linear']:.2f} linearised "
+            f"‖Λ V e‖₁, {s['spearman_plain']:.2f} plain, {s['spearman_leverage']:.2f} leverage-corrected "
+            f"(Pearson of the linearised: {s['pearson_linear']:.2f}). Median true change {s['median_true']:.2g}; median "
+            f"noise floor (how far the reference retraining itself moves an example) {s['median_noise_floor']:.2g}. "
+            f"Rankings within this run are as good as ρ says; the magnitudes are not literal. "
+            f'<a href="validation.json">validation.json</a>.<br>{img}')
 
 
 def _img(path: Path, alt: str, width: str = "100%") -> str:
@@ -530,7 +568,7 @@ def _img(path: Path, alt: str, width: str = "100%") -> str:
 
 
 def _html(insp: Inspection, csv_path: Path, maps: Path, hists: Path, across: Path,
-          grids: list[list[tuple[str, Path]]], extra: str = "") -> str:
+          grids: list[list[tuple[str, Path]]], extra: str = "", validation_png: Path | None = None) -> str:
     run, e = insp.run, html.escape
     res = run.result
     acc = res.get("acc_matrix") or []
@@ -590,6 +628,7 @@ code {{ background: #f5f5f5; padding: 0 3px; }} .defs li {{ margin: 0.2em 0; }}
 ({e(run.stream.scenario)}-incremental, {len(run.stream.tasks)} tasks), seed {run.seed};
 final average test accuracy {_fmt(res.get("avg_acc", float("nan")))}.<br>
 <b>Σ</b>: {e(insp.sigma_source)}.<br>{memory_note}<br>
+{_trust_html(insp, validation_png)}
 All scores: <a href="{e(csv_path.name)}">{e(csv_path.name)}</a> (one row per training example).
 <small>Time: {e(timing)}.</small></p>
 <h2>Per task</h2>
