@@ -1,8 +1,12 @@
 """FROMP with replay of its memorable points (``fromp-replay``): one memory of M points in all, used twice.
 
 The memory is FROMP's (:mod:`continual_blr.regularizers.functional`) with a total budget: after each task
-the M = ``memory_size`` points are shared over every (task, class) group seen so far and chosen by
-memorability, the top tr Λ(x) per class (:meth:`FunctionalRegularizer.share_memory`). The loss adds to
+the M = ``memory_size`` points are shared over every (task, class) group seen so far
+(:meth:`FunctionalRegularizer.share_memory`) and the task's share is chosen per class by ``selection``: by
+memorability, the top tr Λ(x) (``lambda``, the default), at random (``random``), by the memory-perturbation
+sensitivity ‖J Σ Jᵀ e‖₁ (``sensitivity``, scored in the task-end pass that forms Σ) or stratified over its range
+(``stratified``); :mod:`continual_blr.memory`. On class-incremental split MNIST the configs use ``random`` with
+``output: logits`` (``docs/replay.md``). The loss adds to
 FROMP's functional penalty the negative log-likelihood of the same points' stored labels:
 
     L(θ) = (1/B) Σ_{i∈batch} ℓ(f_θ(x_i), y_i)
