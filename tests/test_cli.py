@@ -99,6 +99,7 @@ BAD_INPUT = [
     ("--seeds with a duplicate", lambda t: ["run", "--seeds", "0", "1", "0"], ["--seeds", "0", "twice"]),
     ("--seeds with a negative", lambda t: ["run", "--seeds", "0", "-2"], ["--seeds", "-2", ">= 0"]),
     ("--seed and --seeds", lambda t: ["run", "--seed", "1", "--seeds", "0", "1"], ["--seed", "--seeds"]),
+    ("--log-loo with --seeds", lambda t: ["run", "--log-loo", "--seeds", "0", "1"], ["--log-loo", "--seeds"]),
     ("no subcommand", lambda t: [], ["command"]),
 ]
 
