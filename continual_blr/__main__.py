@@ -15,7 +15,8 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Join the torchrun process group (if any) and run the CLI; returns the exit status."""
+    """Join the torchrun process group (if any) and run the CLI; returns the exit status. In a multi-process run
+    the process ends here with that status (``os._exit``, after the group is left and the streams are flushed)."""
     if os.environ.get("WORLD_SIZE", "1") == "1":  # no launcher: torch is imported only by commands that need it
         from .cli import main as cli_main
 
@@ -37,7 +38,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         os._exit(status)
     distributed.shutdown()
-    return status
+    # every output is written (atomically) and the group is left: end here rather than in the interpreter's
+    # teardown, where gloo's background threads could still abort the process (exit -6) after a successful run
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":
