@@ -51,13 +51,19 @@ from .models import build_model
 from .run_folder import RunFileError, load_torch, load_weights, read_json
 from .runner import build_stream
 
-__all__ = ["LoadedRun", "RunNotFoundError", "load_run", "load_boundary", "validate_run", "saved_methods", "check_config_matches", "inspect_path"]
+__all__ = ["LoadedRun", "RunNotFoundError", "UnsavedStateError", "load_run", "load_boundary", "validate_run", "saved_methods", "check_config_matches", "inspect_path"]
 
 RESULTS = "results.json"
 
 
 class RunNotFoundError(FileNotFoundError):
     """The folder is not a run (no ``results.json``), or holds no saved state for the method."""
+
+
+class UnsavedStateError(ValueError, LookupError):
+    """A task boundary cannot be rebuilt: the method's checkpoint left trained state out (a method of one's own
+    without ``state_dict``). A ``ValueError`` for callers that validate input, a ``LookupError`` for those that, like
+    the report's forgetting analysis, skip what a run does not keep."""
 
 
 @dataclass
@@ -328,6 +334,8 @@ def load_boundary(run: LoadedRun, task: int) -> LoadedRun:
     Raises:
         RunNotFoundError: the run kept no checkpoint of that boundary (written before boundaries were kept).
         ValueError: ``task`` is outside ``-1 .. n_tasks - 1``.
+        UnsavedStateError: the method's checkpoint left trained state out (a method of one's own without
+            ``state_dict``: rebuilding it would silently use untrained state).
     """
     from .runner import boundary_checkpoint, restore_checkpoint
 
@@ -348,7 +356,12 @@ def load_boundary(run: LoadedRun, task: int) -> LoadedRun:
         if not path.is_file():
             raise RunNotFoundError(f"run: {run.path} kept no checkpoint of the boundary after task {task} ({path.name} "
                                    "missing; runs written before boundaries were kept have none): run it again")
-        restore_checkpoint(load_torch(path, map_location=run.device), model, meth)
+        state = load_torch(path, map_location=run.device)
+        if state.get("unsaved"):  # a method of one's own whose state_dict leaves trained state out: not the run's
+            raise UnsavedStateError(f"run: method {run.method_name!r} carries state its state_dict does not save "
+                             f"({', '.join(state['unsaved'])}); its task boundaries cannot be rebuilt "
+                             "(define state_dict / load_state_dict, docs/own_method.md)")
+        restore_checkpoint(state, model, meth)
     model.eval()
     return dataclasses.replace(run, model=model, method=meth, boundary=task)
 

@@ -23,3 +23,18 @@ def _isolate_home(tmp_path_factory, monkeypatch):
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(1234)
+
+
+def interrupt_at_call(monkeypatch, target, name: str, calls: int) -> None:
+    """Raise KeyboardInterrupt (as SIGINT does) at the start of call number ``calls`` of ``target.<name>``
+    (patched through ``monkeypatch``: undone with it)."""
+    original = getattr(target, name)
+    count = {"n": 0}
+
+    def wrapped(*args, **kwargs):
+        count["n"] += 1
+        if count["n"] == calls:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, wrapped)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import interrupt_at_call
 from continual_blr.cli import main
 from continual_blr.inspect import (
     auroc,
@@ -275,19 +276,10 @@ def test_log_loo_of_an_interrupted_and_resumed_run_equals_the_uninterrupted_one(
     # function of the same name)
 
     target, name, calls = (gen, "generalisation_at_task_end", 2) if where.startswith("while") else (loop, "fit_task", 5)
-    original = getattr(target, name)
-    count = {"n": 0}
-
-    def wrapped(*args, **kwargs):
-        count["n"] += 1
-        if count["n"] == calls:
-            raise KeyboardInterrupt
-        return original(*args, **kwargs)
-
     cfg = tiny_runs[1].parent / "tiny.yaml"
     out = tmp_path / "run"
     with monkeypatch.context() as patch:
-        patch.setattr(target, name, wrapped)
+        interrupt_at_call(patch, target, name, calls)
         assert main(["run", str(cfg), "--out", str(out), "--no-progress", "--log-loo"]) == 130
     capsys.readouterr()
     assert main(["run", "--resume", str(out), "--no-progress", "--log-loo"]) == 0

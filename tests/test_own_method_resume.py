@@ -125,3 +125,24 @@ def test_a_method_that_saves_its_state_resumes_exactly(registered, tmp_path, mon
     out = _interrupted(tmp_path, monkeypatch, "saved-anchor")
     assert main(["run", "--resume", str(out)]) == 0
     assert _acc(out) == _acc(tmp_path / "ref" / "run")
+
+
+def test_task_boundaries_of_a_method_with_unsaved_state_are_refused(registered, tmp_path, capsys):
+    """Rebuilding a boundary of ``AnchorMethod`` (its anchor not in its state_dict) would give a method without the
+    anchor the run trained with: ``inspect --validate`` refuses in one line, a plain report skips the forgetting
+    analysis with that line as its note."""
+    from continual_blr.saved_run import UnsavedStateError, load_boundary, load_run
+
+    (tmp_path / "c.yaml").write_text(TINY + "methods: [anchor]\n")
+    out = tmp_path / "run"
+    with pytest.warns(RuntimeWarning, match="cannot be resumed"):
+        assert main(["run", str(tmp_path / "c.yaml"), "--out", str(out)]) == 0
+    run = load_run(out, "anchor", data=True)
+    with pytest.raises(UnsavedStateError, match=r"carries state its state_dict does not save \(anchor\)"):
+        load_boundary(run, 0)
+    capsys.readouterr()
+    assert main(["inspect", str(out), "--validate", "2", "--no-progress", "--out", str(tmp_path / "v")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "does not save (anchor)" in err, err
+    assert main(["inspect", str(out), "--no-progress", "--out", str(tmp_path / "r")]) == 0
+    assert "does not save (anchor)" in (tmp_path / "r" / "index.html").read_text()

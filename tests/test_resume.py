@@ -22,6 +22,7 @@ import torch
 
 import continual_blr.loop as loop
 from continual_blr.cli import main
+from conftest import interrupt_at_call
 
 CONFIG = """\
 stream: {name: synthetic, options: {n_tasks: 3, n_train: 40}}
@@ -90,16 +91,7 @@ def reference(config, tmp_path_factory) -> Path:
 
 def _interrupt_after(monkeypatch, name: str, calls: int) -> None:
     """Raise KeyboardInterrupt (as SIGINT does) at the start of call number ``calls`` of ``loop.<name>``."""
-    original = getattr(loop, name)
-    count = {"n": 0}
-
-    def wrapped(*args, **kwargs):
-        count["n"] += 1
-        if count["n"] == calls:
-            raise KeyboardInterrupt
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(loop, name, wrapped)
+    interrupt_at_call(monkeypatch, loop, name, calls)
 
 
 @pytest.mark.parametrize("where, name, calls", [

@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 from ..data.stream import Task
 from ..loop import fit_task
 from ..methods.base import Method, TrainConfig
+from .forgetting import spearman
 from .scores import Covariance, _logits, score_examples
 
 __all__ = ["Validation", "validate_sensitivity", "pick_examples", "leverage_shift", "deviation", "spearman",
@@ -88,19 +89,6 @@ def _linear_deviation(probs: Tensor, shift: Tensor) -> Tensor:
     return (p * d - p * (p * d).sum(-1, keepdim=True)).abs().sum(-1)
 
 
-def _ranks(x: Tensor) -> Tensor:
-    """Ranks 1..n in float64, ties given their mean rank."""
-    x = x.double().flatten()
-    order = torch.argsort(x, stable=True)
-    ranks = torch.empty_like(x)
-    ranks[order] = torch.arange(1, x.numel() + 1, dtype=torch.float64)
-    for v in torch.unique(x):
-        tie = x == v
-        if int(tie.sum()) > 1:
-            ranks[tie] = ranks[tie].mean()
-    return ranks
-
-
 def pearson(a: Tensor, b: Tensor) -> float:
     """Pearson's r (float64); NaN when either has no spread or fewer than 2 values."""
     a, b = a.double().flatten(), b.double().flatten()
@@ -109,11 +97,6 @@ def pearson(a: Tensor, b: Tensor) -> float:
     a, b = a - a.mean(), b - b.mean()
     den = float(a.norm() * b.norm())
     return float((a * b).sum()) / den if den > 0 else math.nan
-
-
-def spearman(a: Tensor, b: Tensor) -> float:
-    """Spearman's ρ: Pearson's r of the (tie-averaged) ranks."""
-    return pearson(_ranks(a), _ranks(b))
 
 
 def pick_examples(score: Tensor, n: int, generator: torch.Generator) -> Tensor:
@@ -275,16 +258,6 @@ def validate_sensitivity(
         seconds=seconds, cpu_seconds=cpu, sigma_source=sigma_source)
 
 
-def _carries_covariance(method: Method) -> bool:
-    """Whether :func:`~.saved_run.run_covariance` takes Σ from the method itself (FROMP's kernels' Σ, a posterior)."""
-    from ..posteriors import GaussianPosterior  # noqa: F401  (the type run_covariance accepts)
-
-    reg = getattr(method, "regularizer", None)
-    if reg is not None and callable(getattr(reg, "sigma", None)) and getattr(reg, "fisher", None) is not None:
-        return True
-    return callable(getattr(method, "posterior", None))
-
-
 def validation_covariance(run, task: Task, previous: Sequence[Task], prior_precision: float | None = None
                           ) -> tuple[Covariance, str]:
     """Σ for the estimate of a retraining on ``task``: the method's own (as the report's, at the task's end), else a
@@ -296,16 +269,9 @@ def validation_covariance(run, task: Task, previous: Sequence[Task], prior_preci
         run: a :class:`~.saved_run.SavedRun` holding the network and method as ``task`` ended.
     """
     from .saved_run import run_covariance
-    from .scores import DEFAULT_PRIOR_PRECISION, diag_laplace_posterior
 
-    if _carries_covariance(run.method):
-        return run_covariance(run, prior_precision)
-    delta = DEFAULT_PRIOR_PRECISION if prior_precision is None else float(prior_precision)
-    data = [(t.x_train, t.head) for t in run.method.train_tasks(task, [*previous, task])]
-    post = diag_laplace_posterior(run.model, data, delta)
-    return post, (f"diagonal Laplace–GGN posterior at the weights task {task.task_id + 1} ended with (method "
-                  f"{run.method_name!r} carries none): Σ = diag(1/(F + δ)), F over the data it trains on in that task, "
-                  f"δ = {delta:g}")
+    trained = run.method.train_tasks(task, [*previous, task])
+    return run_covariance(run, prior_precision, tasks=[t.task_id for t in trained])
 
 
 def plot_validation(v: Validation, path) -> None:
