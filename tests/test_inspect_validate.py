@@ -166,3 +166,22 @@ def test_cli_validate_without_kept_boundaries_is_one_line(run, tmp_path, capsys)
     assert main(["inspect", str(old), "--validate", "2", "--no-progress", "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip()
     assert "kept no checkpoint of the boundary" in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("end_task", [True, False])
+def test_fit_task_leaves_out_the_task_end_only_when_asked(end_task):
+    """``fit_task(end_task=False)`` (the retrainings of --validate) trains without the method's task-end update."""
+    from continual_blr.methods import build_method
+    from continual_blr.methods.base import TrainConfig
+    from continual_blr.models import build_model
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 3, generator=g)
+    task = Task(0, x, (x[:, 0] > 0).long(), x[:2], torch.zeros(2, dtype=torch.long), (0, 1))
+    model = build_model("mlp", (3,), 2, 1, hidden=(4,), generator=g)
+    method = build_method("none", {}, seed=0)
+    calls = []
+    method.on_task_end = lambda *a, **k: calls.append(1)  # type: ignore[method-assign]
+    loop.fit_task(model, task, method, TrainConfig(epochs=1, batch_size=4), seen=[task],
+                  generator=torch.Generator().manual_seed(0), progress=False, end_task=end_task)
+    assert calls == ([1] if end_task else [])
