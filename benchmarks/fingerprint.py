@@ -5,7 +5,8 @@ function, class body and module body of the package that ran during the run, tak
 (:class:`ExecutedCode`) and hashed by :func:`source_hashes`. A record is current while every entry of its
 fingerprint hashes the same in today's sources (:func:`changed_entries` is empty) and its config is unchanged.
 
-What a hash covers. The hash of an entry is the SHA-256 of ``ast.dump`` of its syntax tree (no line numbers),
+What a hash covers. The hash of an entry is the SHA-256 of ``ast.dump`` of its syntax tree (no line numbers; printed as
+Python 3.11 prints it on every version, :func:`canonical_dump`),
 with docstrings removed: comments, blank lines, docstrings and moved code never change it; any change to what the
 code does (a constant, an operator, a default, a decorator) does. Nested functions, lambdas and comprehensions
 count as part of the function that holds them. A class body or module body is hashed with the bodies of the
@@ -157,35 +158,84 @@ class _Outline(ast.NodeTransformer):
         return node
 
 
-def _digest(node: ast.AST) -> str:
-    return hashlib.sha256(ast.dump(node, annotate_fields=True, include_attributes=False).encode()).hexdigest()[:16]
+# Fields that later Pythons added to nodes that exist in 3.11, omitted while they hold their empty default, so that
+# one source hashes alike under 3.11, 3.12 and 3.13 (3.12: ``type_params`` of functions and classes, PEP 695).
+_LATER_FIELDS = frozenset({"type_params"})
 
 
-_MODULE_CACHE: dict[tuple[str, int, int, str], dict[str, str]] = {}
+def canonical_dump(node: Any, dialect: str = "3.11") -> str:
+    """``ast.dump(node, annotate_fields=True, include_attributes=False)`` as Python 3.11 prints it, on any Python.
+
+    ``ast.dump`` is not stable across versions: 3.12 prints ``type_params=[]`` on every function and class, and 3.13
+    leaves out empty lists and ``None`` (``show_empty=False``). Records made on the lent GPU machine (Python 3.12)
+    must hash like those made here (3.11), so this prints every field of ``node._fields`` except a ``None`` whose
+    class default is ``None`` (3.11's own rule) and an empty field of ``_LATER_FIELDS``, and drops the empty string
+    constants that 3.12.0-3.12.1 put into nested f-string format specs (3.11 never makes one).
+
+    Args:
+        node: a syntax tree (or a list of them, or a field's value).
+        dialect: ``"3.11"`` (the canonical form every record made since holds) or ``"3.12"``: what ``ast.dump``
+            printed on Python 3.12.2+ (``type_params=[]`` last on every function and class), the form of the
+            fingerprints that lent-GPU records held before (:func:`translate_fingerprint` reads them).
+    """
+    if dialect not in DIALECTS:
+        raise ValueError(f"dialect must be one of {DIALECTS}, not {dialect!r}")
+    if isinstance(node, ast.AST):
+        cls = type(node)
+        args = []
+        for name in node._fields:
+            try:
+                value = getattr(node, name)
+            except AttributeError:
+                continue
+            if value is None and getattr(cls, name, ...) is None:
+                continue
+            if name in _LATER_FIELDS and value in (None, []):
+                continue
+            if isinstance(node, ast.JoinedStr) and name == "values":  # 3.12.0-1 add Constant('') to nested specs
+                value = [v for v in value if not (isinstance(v, ast.Constant) and v.value == "")]
+            args.append(f"{name}={canonical_dump(value, dialect)}")
+        if dialect == "3.12" and isinstance(node, _TYPE_PARAM_NODES) and "type_params" not in node._fields:
+            args.append("type_params=[]")
+        return f"{cls.__name__}({', '.join(args)})"
+    if isinstance(node, list):
+        return f"[{', '.join(canonical_dump(x, dialect) for x in node)}]"
+    return repr(node)
 
 
-def module_hashes(path: Path, rel: str) -> dict[str, str]:
+DIALECTS = ("3.11", "3.12")
+_TYPE_PARAM_NODES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def _digest(node: ast.AST, dialect: str = "3.11") -> str:
+    return hashlib.sha256(canonical_dump(node, dialect).encode()).hexdigest()[:16]
+
+
+_MODULE_CACHE: dict[tuple[str, int, int, str, str], dict[str, str]] = {}
+
+
+def module_hashes(path: Path, rel: str, dialect: str = "3.11") -> dict[str, str]:
     """Every entry of one module (``<module>``, each class body, each function and method) with its hash (cached
     per file, size and modification time)."""
     stat = path.stat()
-    key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size, rel)
+    key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size, rel, dialect)
     if key not in _MODULE_CACHE:
-        _MODULE_CACHE[key] = _module_hashes(path, rel)
+        _MODULE_CACHE[key] = _module_hashes(path, rel, dialect)
     return _MODULE_CACHE[key]
 
 
-def _module_hashes(path: Path, rel: str) -> dict[str, str]:
+def _module_hashes(path: Path, rel: str, dialect: str = "3.11") -> dict[str, str]:
     tree = _NoDocstrings().visit(ast.parse(path.read_text(), filename=str(path)))
     out: dict[str, str] = {}
 
     def walk(body: list[ast.stmt], prefix: str) -> None:
         for node in body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                out[f"{rel}::{prefix}{node.name}"] = _digest(node)
+                out[f"{rel}::{prefix}{node.name}"] = _digest(node, dialect)
             elif isinstance(node, ast.ClassDef):
                 outline = copy.copy(node)
                 outline.body = [_Outline().visit(copy.deepcopy(n)) for n in node.body]
-                out[f"{rel}::{prefix}{node.name}"] = _digest(outline)
+                out[f"{rel}::{prefix}{node.name}"] = _digest(outline, dialect)
                 walk(node.body, f"{prefix}{node.name}.")
             elif isinstance(node, (ast.If, ast.Try)):  # definitions under `if TYPE_CHECKING:` / try-except imports
                 for block in (getattr(node, "body", []), getattr(node, "orelse", []), getattr(node, "finalbody", []),
@@ -195,13 +245,13 @@ def _module_hashes(path: Path, rel: str) -> dict[str, str]:
     walk(tree.body, "")
     outline = copy.copy(tree)
     outline.body = [_Outline().visit(copy.deepcopy(n)) for n in tree.body]
-    out[f"{rel}::{MODULE}"] = _digest(outline)
+    out[f"{rel}::{MODULE}"] = _digest(outline, dialect)
     return out
 
 
-def source_hashes(entries: set[str] | list[str], root: Path) -> dict[str, str]:
+def source_hashes(entries: set[str] | list[str], root: Path, dialect: str = "3.11") -> dict[str, str]:
     """The hash of each entry in the sources under ``root`` (the folder holding ``continual_blr/``); an entry whose
-    module or definition no longer exists maps to ``"missing"``."""
+    module or definition no longer exists maps to ``"missing"`` (``dialect``: :func:`canonical_dump`)."""
     by_module: dict[str, dict[str, str]] = {}
     out = {}
     for entry in sorted(entries):
@@ -211,7 +261,7 @@ def source_hashes(entries: set[str] | list[str], root: Path) -> dict[str, str]:
             out[entry] = hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.is_file() else "missing"
             continue
         if rel not in by_module:
-            by_module[rel] = module_hashes(path, rel) if path.is_file() else {}
+            by_module[rel] = module_hashes(path, rel, dialect) if path.is_file() else {}
         out[entry] = by_module[rel].get(entry, "missing")
     return out
 
@@ -223,3 +273,33 @@ def changed_entries(fingerprint: dict[str, str], root: Path,
     now = source_hashes(set(fingerprint), root)
     equivalent = equivalent or {}
     return sorted(e for e, h in fingerprint.items() if now[e] != h and h not in equivalent.get(e, set()))
+
+
+def record_dialect(record: dict[str, Any]) -> str:
+    """The dialect a record's fingerprint was hashed in: ``"3.11"`` when it says so (``fingerprint_format``, every
+    record made since :func:`canonical_dump`) or ran on Python 3.11; ``"3.12"`` for an older record made on 3.12 (the
+    lent GPU machine)."""
+    if record.get("fingerprint_format") == "3.11":
+        return "3.11"
+    python = str((record.get("versions") or {}).get("python", "3.11"))
+    return "3.12" if python.startswith("3.12.") else "3.11"
+
+
+def translate_fingerprint(fingerprint: dict[str, str], source_root: Path,
+                          dialect: str) -> tuple[dict[str, str], list[str]]:
+    """A fingerprint hashed in ``dialect`` rewritten in the canonical one, entry by entry, where it can be checked.
+
+    ``source_root`` holds the sources the record ran (a checkout of its commit). An entry is translated only where
+    its stored hash equals the ``dialect`` hash of that source: then the canonical hash of the same source replaces
+    it. Every other entry keeps its stored hash and is returned in the second list (it stays stale).
+    """
+    then = source_hashes(set(fingerprint), source_root, dialect)
+    canonical = source_hashes(set(fingerprint), source_root)
+    out, unverified = {}, []
+    for entry, h in fingerprint.items():
+        if then[entry] == h != "missing":
+            out[entry] = canonical[entry]
+        else:
+            out[entry] = h
+            unverified.append(entry)
+    return out, sorted(unverified)

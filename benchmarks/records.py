@@ -448,4 +448,5 @@ class TracedRun:
         executed, for a resumed run; default this process's)."""
         entries = self.executed.entries() if entries is None else entries
         return {"started": started or self.started, "ended": now_utc(),
-                "fingerprint": _fingerprint.source_hashes(entries, imported_package_dir().parent)}
+                "fingerprint": _fingerprint.source_hashes(entries, imported_package_dir().parent),
+                "fingerprint_format": "3.11"}

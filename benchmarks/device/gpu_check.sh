@@ -2,8 +2,12 @@
 # First call on a lent GPU machine (see benchmarks/device/README.md): the CUDA tests, the training-step speed on
 # the GPU, and whether this image can decode the lossless WebP parts of CIFAR-10. Writes under $OUT.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-# part a of CIFAR-10 (carry .devdata_a) is kept outside the tree: a later call that carries .devdata_b removes it
-if [ -d .devdata_a ]; then mkdir -p /tmp/devdata_a && cp .devdata_a/* /tmp/devdata_a/; fi
+# the parts of CIFAR-10 carried in this call (.devdata_a, .devdata_b) are kept outside the tree: a later call that
+# carries another part removes them. STAGE_ONLY=1: copy the part and stop (the second call, carrying .devdata_b).
+for part in .devdata_a .devdata_b; do
+  if [ -d $part ]; then mkdir -p /tmp/${part#.} && cp $part/* /tmp/${part#.}/ && echo "staged $part"; fi
+done
+[ -n "$STAGE_ONLY" ] && exit 0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, PIL, PIL.features as f; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), 'pillow', PIL.__version__, 'webp', f.check('webp'))"
 nproc

@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# Second call on the same warm GPU machine (see benchmarks/device/README.md): rebuild CIFAR-10 from the two WebP
-# parts (hash-checked), then run the jobs of $JOBS ("benchmark:method:seed" separated by spaces) side by side on
+# Third call on the same warm GPU machine, carrying .devdata_c (see benchmarks/device/README.md): rebuild CIFAR-10
+# from the three WebP parts (hash-checked), then run the jobs of $JOBS ("benchmark:method:seed" separated by spaces) side by side on
 # the one GPU, each a `benchmarks/reproduce.py` process with its own records folder, each stopped after $LIMIT
-# seconds (DETERMINISTIC=1: reproduce.py --deterministic, deterministic CUDA kernels; VALIDATION=0.1: every job on
-# the validation split, for choosing, never the test set). The records and logs come back as $OUT/records.tgz and $OUT/logs.tgz; the logs keep the progress bars
-# (per task and epoch), so that a run stopped by the limit shows how far it got.
+# seconds, its run folder under /tmp/work/<job> (DETERMINISTIC=1: reproduce.py --deterministic, deterministic CUDA kernels; VALIDATION=0.1: every job on
+# the validation split, for choosing, never the test set). The records and logs come back as $OUT/records.tgz and
+# $OUT/logs.tgz; logs.tgz also holds each run folder without its checkpoints (the per-epoch log), so that a run
+# stopped by the limit shows how far it got. Bring the records in with benchmarks/device/import_records.py.
 # Needs CONTINUAL_BLR_COMMIT (the commit the working tree was sent from; a copied .git may be an older checkout's).
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CONTINUAL_BLR_DATA=/tmp/data CONTINUAL_BLR_DIRTY=${CONTINUAL_BLR_DIRTY:-0}
 LIMIT=${LIMIT:-420}
-python3 benchmarks/device/cifar10_webp.py unpack --parts /tmp/devdata_a .devdata_b --root /tmp/data || exit 3
+python3 benchmarks/device/cifar10_webp.py unpack --parts /tmp/devdata_a /tmp/devdata_b .devdata_c --root /tmp/data || exit 3
 mkdir -p /tmp/rec /tmp/logs
 for job in $JOBS; do
   IFS=: read -r bench method seed <<< "$job"
   tag=$(echo "$bench-$method-$seed" | tr / _)
   timeout "$LIMIT" python3 benchmarks/reproduce.py "$bench" --methods "$method" --seeds "$seed" --device cuda \
-    --threads 1 ${DETERMINISTIC:+--deterministic} ${VALIDATION:+--validation $VALIDATION} --runs-dir /tmp/rec/"$tag" --results-dir /tmp/rec/"$tag"/results \
+    --threads 1 --work-dir /tmp/work/"$tag" ${DETERMINISTIC:+--deterministic} ${VALIDATION:+--validation $VALIDATION} --runs-dir /tmp/rec/"$tag" --results-dir /tmp/rec/"$tag"/results \
     > /tmp/logs/"$tag".log 2>&1 &
 done
 start=$SECONDS
@@ -23,5 +24,6 @@ while [ -n "$(jobs -r)" ]; do
 done
 wait
 find /tmp/rec -name "*.json" | sort
+mkdir -p /tmp/work; cp -r /tmp/work /tmp/logs/work 2>/dev/null; find /tmp/logs/work -name "*.pt" -delete
 tar czf "$OUT/records.tgz" -C /tmp/rec . ; tar czf "$OUT/logs.tgz" -C /tmp/logs .
 grep -h -i -E "error|Traceback" /tmp/logs/*.log | head -20
