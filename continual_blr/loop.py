@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from . import distributed
+from .compiled import compiled_forward
 from .data.stream import Task, TaskStream
 from .memory import NormStatistics, norm_layers
 from .methods.base import Method, TrainConfig, register_fit_task
@@ -335,17 +336,38 @@ def fit_task(
     ``on_epoch(epoch, mean_loss)`` (optional) is called after every epoch (for logs). ``norm_statistics``
     (``train.batchnorm: per_task``) receives the BatchNorm statistics the task ends with, before
     ``method.on_task_end``. Under ``train.batchnorm: frozen`` and a task after the first (``len(seen) > 1``) the
-    BatchNorm layers are put in eval mode before every step (module docstring).
+    BatchNorm layers are put in eval mode before every step (module docstring). ``train.compile`` other than
+    ``"off"``: the epochs' steps run the model's forward under ``torch.compile`` (:mod:`continual_blr.compiled`);
+    the task's start and end run eagerly.
 
     Raises:
         DivergenceError: an epoch's mean training loss is not finite (checked once per epoch).
+        ValueError: ``train.compile`` with a Bayesian-learning-rule optimiser.
     """
     method.on_task_start(model, task)
     optimizer = method.make_optimizer(model, task, train)
+    if train.compile != "off" and isinstance(optimizer, BayesianLearningRule):
+        raise ValueError(f"train.compile: {train.compile!r} is not available with {method.name}'s Bayesian learning "
+                         "rule (per-example gradients under torch.func); allowed: 'off'")
     tasks = method.train_tasks(task, seen)
     frozen = [m for _, m in norm_layers(model)] if train.batchnorm == "frozen" and len(seen) > 1 else []
     last = math.nan
     bar = tqdm(range(train.epochs), desc=f"task {task.task_id}", leave=False, disable=None if progress else True)
+    with compiled_forward(model, train.compile):  # the minibatches only: the task's end runs eagerly
+        last = _epochs(model, task, method, train, optimizer, tasks, bar, frozen, generator, leave_out, on_epoch)
+    if norm_statistics is not None:
+        norm_statistics.save(model, task.task_id)
+    if end_task:
+        method.on_task_end(model, task, optimizer)
+    return last
+
+
+def _epochs(model: nn.Module, task: Task, method: Method, train: TrainConfig, optimizer: torch.optim.Optimizer,
+            tasks: list[Task], bar: Any, frozen: list[nn.Module], generator: torch.Generator,
+            leave_out: Tensor | None, on_epoch: Callable[[int, float], None] | None) -> float:
+    """:func:`fit_task`'s epochs over ``task`` (and the tasks ``method.train_tasks`` adds); the last epoch's mean
+    training loss."""
+    last = math.nan
     for epoch in bar:
         total, n = 0.0, 0  # summed on the loss's device: no host synchronisation per step
         for t, batch in _batches(tasks, train.batch_size, generator,
@@ -364,10 +386,6 @@ def fit_task(
         bar.set_postfix(loss=f"{last:.4f}")
         if on_epoch is not None:
             on_epoch(epoch, last)
-    if norm_statistics is not None:
-        norm_statistics.save(model, task.task_id)
-    if end_task:
-        method.on_task_end(model, task, optimizer)
     return last
 
 

@@ -15,7 +15,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "continual_blr"
 
 LAYERS: list[tuple[str, ...]] = [
-    ("types", "mixed_precision", "data", "posteriors", "curvature", "models", "distributed"),
+    ("types", "mixed_precision", "compiled", "data", "posteriors", "curvature", "models", "distributed"),
     ("regularizers", "optim", "memory", "replay_buffer", "dnn2gp"),
     ("methods",),
     ("loop",),
