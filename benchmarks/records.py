@@ -187,6 +187,8 @@ EQUIVALENT_CODE = "equivalent_code.json"  # under a records folder's root, besid
 # (scenario, mode, seed) or its machine (data root, device) say them, so they are not compared.
 COMMAND_FIELDS = {"seed", "device", "out", "progress", "quick", "imports", "method", "train_used"}  # the last two: derived
 COMMAND_STREAM_FIELDS = {"data_dir", "validation", "scenario"}
+# how the steps execute, not what they compute (to round-off, as the device): reproduce.py --compile
+COMMAND_TRAIN_FIELDS = {"compile"}
 _START: dict[str, Any] = {}
 
 
@@ -254,6 +256,8 @@ def _comparable(config: dict[str, Any]) -> dict[str, Any]:
     config = {k: v for k, v in config.items() if k not in COMMAND_FIELDS}
     if isinstance(config.get("stream"), dict):
         config["stream"] = {k: v for k, v in config["stream"].items() if k not in COMMAND_STREAM_FIELDS}
+    if isinstance(config.get("train"), dict):
+        config["train"] = {k: v for k, v in config["train"].items() if k not in COMMAND_TRAIN_FIELDS}
     return config
 
 

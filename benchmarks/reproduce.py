@@ -115,6 +115,8 @@ def _load_config(benchmark: str, method: str, args: argparse.Namespace, prog: st
         cfg.stream.data_dir = args.data_dir
     cfg.stream.validation = getattr(args, "validation", 0.0) or 0.0
     cfg.device = args.device
+    if getattr(args, "compile", None):
+        cfg.train.compile = args.compile  # an execution setting (records.COMMAND_TRAIN_FIELDS)
     cfg.quick = args.quick
     cfg.progress = not args.no_progress
     return cfg
@@ -536,6 +538,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true",
                         help="keep rows of the existing report whose runs are not stored here (default: the table "
                              "holds the stored records only)")
+    parser.add_argument("--compile", default=None, choices=("off", "default", "reduce-overhead", "aot_eager"),
+                        help="train.compile for every run (the steps under torch.compile, for GPUs; "
+                             "continual_blr.compiled); not part of the compared config")
     parser.add_argument("--deterministic", action="store_true",
                         help="deterministic CUDA kernels (torch.use_deterministic_algorithms, warn_only): GPU runs of "
                              "one seed repeat bit for bit where PyTorch allows; named in the record's command")

@@ -126,6 +126,17 @@ def test_a_field_the_library_added_since_is_no_config_change(made):
     assert run_records.config_changes(rec, root) == []
 
 
+def test_a_compiled_run_compares_as_its_config(made):
+    """``train.compile`` says how the steps ran (reproduce.py --compile), like the device: not a config change;
+    planted (the field compared): this fails. Any other train field still is one."""
+    root, recs = made
+    rec = json.loads(json.dumps(recs["none"]))
+    rec["config"]["train"]["compile"] = "reduce-overhead"
+    assert run_records.config_changes(rec, root) == []
+    rec["config"]["train"]["lr"] = 0.5
+    assert run_records.config_changes(rec, root) == ["train.lr"]
+
+
 def _record_file(records_dir: Path, rec: dict) -> Path:
     path = records_dir / "t" / "task" / "full" / f"{rec['method_name']}_seed0.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -12,4 +12,4 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, PIL, PIL.features as f; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), 'pillow', PIL.__version__, 'webp', f.check('webp'))"
 nproc
 python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$OUT/test_cuda.log" | tail -15
-python3 benchmarks/perf/perf_train.py --device cuda --steps 30 --warmup 5 --out "$OUT/perf_train_cuda.md" 2>/dev/null | grep -E "^\||^\*"
+python3 benchmarks/perf/perf_train.py --device cuda --compile --steps 30 --warmup 10 --out "$OUT/perf_train_cuda.md" 2>/dev/null | grep -E "^\||^\*|^Target"

@@ -2,7 +2,8 @@
 # Third call on the same warm GPU machine, carrying .devdata_c (see benchmarks/device/README.md): rebuild CIFAR-10
 # from the three WebP parts (hash-checked), then run the jobs of $JOBS ("benchmark:method:seed" separated by spaces) side by side on
 # the one GPU, each a `benchmarks/reproduce.py` process with its own records folder, each stopped after $LIMIT
-# seconds, its run folder under /tmp/work/<job> (DETERMINISTIC=1: reproduce.py --deterministic, deterministic CUDA kernels; VALIDATION=0.1: every job on
+# seconds, its run folder under /tmp/work/<job> (COMPILE=reduce-overhead: train.compile, the compiled step;
+# DETERMINISTIC=1: reproduce.py --deterministic, deterministic CUDA kernels; VALIDATION=0.1: every job on
 # the validation split, for choosing, never the test set). The records and logs come back as $OUT/records.tgz and
 # $OUT/logs.tgz; logs.tgz also holds each run folder without its checkpoints (the per-epoch log), so that a run
 # stopped by the limit shows how far it got. Bring the records in with benchmarks/device/import_records.py.
@@ -15,7 +16,7 @@ for job in $JOBS; do
   IFS=: read -r bench method seed <<< "$job"
   tag=$(echo "$bench-$method-$seed" | tr / _)
   timeout "$LIMIT" python3 benchmarks/reproduce.py "$bench" --methods "$method" --seeds "$seed" --device cuda \
-    --threads 1 --work-dir /tmp/work/"$tag" ${DETERMINISTIC:+--deterministic} ${VALIDATION:+--validation $VALIDATION} --runs-dir /tmp/rec/"$tag" --results-dir /tmp/rec/"$tag"/results \
+    --threads 1 --work-dir /tmp/work/"$tag" ${COMPILE:+--compile $COMPILE} ${DETERMINISTIC:+--deterministic} ${VALIDATION:+--validation $VALIDATION} --runs-dir /tmp/rec/"$tag" --results-dir /tmp/rec/"$tag"/results \
     > /tmp/logs/"$tag".log 2>&1 &
 done
 start=$SECONDS
