@@ -9,6 +9,7 @@ form of VCL (Nguyen et al. 2018).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,9 +24,10 @@ from ..posteriors import DiagPosterior, GaussianPosterior, KronPosterior, kron_l
 from ..types import Structure, parse_enum
 from .base import Method, TrainConfig
 
-__all__ = ["BLRParams", "BLRMethod", "CARRIES"]
+__all__ = ["BLRParams", "BLRMethod", "CARRIES", "TASK_START_MEANS", "redraw_layers"]
 
 CARRIES = ("average", "ggn")
+TASK_START_MEANS = ("carry", "reinit")
 
 
 @dataclass
@@ -84,6 +86,14 @@ class BLRParams:
             ``"pooled"`` (a sign-randomised shift of a Gaussian pool redrawn every ``noise_refresh`` steps: 32 ×
             fewer generator draws, the same conditional mean and covariance; :mod:`continual_blr.optim.noise`).
         noise_refresh: steps between redraws of the ``"pooled"`` noise's pool.
+        task_start_mean: where the mean m starts each task after the first (the prior is the same either way):
+            ``"carry"`` (the previous task's posterior mean, m = m₀: a warm start) or ``"reinit"`` (the VOGN
+            continual-learning reference's recipe: the weights of every covered Linear / Conv2d layer are drawn
+            afresh, W_ij, b_i ~ U(−1/√fan_in, 1/√fan_in), PyTorch's default bound, from the method's generator,
+            while the prior N(m₀, S₀⁻¹) stays the previous posterior). Task t still minimises
+            E_q[Σ_i ℓ_i] + KL(q ‖ q_{t−1}); only the optimisation's starting point moves, so on a convex loss the
+            fixed point is the same, and on a network's loss another one may be reached. Parameters of other
+            layers keep their values. See :meth:`BLRMethod.on_task_start`.
     """
 
     structure: str = "diag"
@@ -107,9 +117,13 @@ class BLRParams:
     carry_examples: int | None = None
     noise: str = "gaussian"
     noise_refresh: int = 64
+    task_start_mean: str = "carry"
 
     def __post_init__(self) -> None:
         s = parse_enum(Structure, self.structure, "params.structure")
+        if self.task_start_mean not in TASK_START_MEANS:
+            raise ValueError(f"params.task_start_mean: got {self.task_start_mean!r}; allowed: "
+                             f"{', '.join(map(repr, TASK_START_MEANS))}")
         if self.noise not in NOISES:
             raise ValueError(f"params.noise: got {self.noise!r}; allowed: {', '.join(map(repr, NOISES))}")
         if self.noise == "pooled" and s != Structure.DIAG:
@@ -163,6 +177,7 @@ class BLRMethod(Method):
         super().__init__(seed)
         self.params = params or BLRParams()
         self.optimizer: BayesianLearningRule | None = None
+        self.tasks_done = 0  # tasks whose posterior became the prior (on_task_end); saved with the method's state
 
     def _initial(self, model: nn.Module, precision: float) -> GaussianPosterior:
         zeros = {k: torch.zeros_like(p) for k, p in model.named_parameters() if p.requires_grad}
@@ -186,10 +201,21 @@ class BLRMethod(Method):
         self.optimizer.n_data = max(1, round(self.params.ess_factor * task.n_train))
         return self.optimizer
 
+    def on_task_start(self, model: nn.Module, task: Task) -> None:
+        """With ``params.task_start_mean == "reinit"`` and a task after the first (``tasks_done`` ≥ 1), re-draw the
+        mean: every covered Linear / Conv2d layer's weight and bias ~ U(−1/√fan_in, 1/√fan_in) from the method's
+        generator (:func:`redraw_layers`). The prior N(m₀, S₀⁻¹) (the previous posterior) is not touched. With
+        ``"carry"`` (the default) nothing happens and the mean starts at m₀."""
+        super().on_task_start(model, task)
+        if self.params.task_start_mean == "reinit" and self.tasks_done > 0:
+            assert self.optimizer is not None, "setup() must run first"
+            redraw_layers(model, set(self.optimizer.names), self.generator)
+
     def on_task_end(self, model: nn.Module, task: Task, optimizer=None) -> None:
         """The posterior becomes the next prior, its data part divided by T: S₀ ← S₀ + D / T, m₀ ← m."""
         super().on_task_end(model, task, optimizer)
         assert self.optimizer is not None
+        self.tasks_done += 1
         if self.params.carry == "ggn":
             self.optimizer.set_prior(self.ggn_carry(model, task))
         else:
@@ -248,9 +274,31 @@ class BLRMethod(Method):
         state = super().state_dict()
         if self.optimizer is not None:
             state["posterior"] = self.optimizer.posterior().state_dict()
+        state["tasks_done"] = self.tasks_done
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if self.optimizer is not None and "posterior" in state:
             self.optimizer.set_prior(load_posterior(state["posterior"]))
+        # states saved before the count existed were saved at a task's end, after at least one task
+        self.tasks_done = int(state.get("tasks_done", 1 if "posterior" in state else 0))
+
+
+def redraw_layers(model: nn.Module, names: set[str], generator: torch.Generator) -> list[str]:
+    """Re-draw, in place, the weight and bias of every Linear / Conv2d layer whose weight is named in ``names``:
+    W_ij, b_i ~ U(−1/√fan_in, 1/√fan_in), fan_in = W[0].numel() (PyTorch's default bound, the one
+    :func:`continual_blr.models.build_model` draws from), from ``generator`` (no global RNG is read). Returns the
+    names of the parameters drawn, in module order."""
+    drawn: list[str] = []
+    with torch.no_grad():
+        for prefix, m in model.named_modules():
+            if not isinstance(m, (nn.Linear, nn.Conv2d)) or f"{prefix}.weight" not in names:
+                continue
+            bound = 1.0 / math.sqrt(m.weight[0].numel())
+            m.weight.uniform_(-bound, bound, generator=generator)
+            drawn.append(f"{prefix}.weight")
+            if m.bias is not None and f"{prefix}.bias" in names:
+                m.bias.uniform_(-bound, bound, generator=generator)
+                drawn.append(f"{prefix}.bias")
+    return drawn
