@@ -83,6 +83,22 @@ def autocast_active() -> bool:
     return any(torch.is_autocast_enabled(d) for d in _DEVICE_TYPES)
 
 
+def active_autocast() -> tuple[str, torch.dtype] | None:
+    """(device type, dtype) of the autocast enabled in the calling context (the first of CPU / CUDA), or None."""
+    for d in _DEVICE_TYPES:
+        if torch.is_autocast_enabled(d):
+            return d, torch.get_autocast_dtype(d)
+    return None
+
+
+def resumed_autocast(state: tuple[str, torch.dtype] | None) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` as :func:`active_autocast` saw it (a no-op for None): inside a :func:`full_precision`
+    function, the block of it that may run in the caller's low precision."""
+    if state is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=state[0], dtype=state[1])
+
+
 @contextlib.contextmanager
 def full_precision_block() -> Iterator[None]:
     """Switch autocast off (for every device type where it is on) inside the block."""

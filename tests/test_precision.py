@@ -320,3 +320,48 @@ def test_a_bad_precision_is_a_one_line_error_naming_the_field(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--precision: got 'half'; allowed: 'fp32', 'bf16'" in err, err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_fromp_forward_precision_train_runs_the_points_forward_in_bf16_and_the_rest_in_fp32(gen):
+    """``forward_precision="train"``: outside autocast the penalty is the fp32 one bit for bit; inside bf16 autocast
+    the network's outputs at the memorable points are those of the bf16 forward (oracle: the same forward under
+    autocast, then the fp32 formula by hand), and the penalty and its gradient stay fp32. Planted: the option
+    ignored (the penalty's forward in fp32) and the outputs left in bf16 (softmax and Δp in bf16) both fail."""
+    model = _small_net()
+    x, y = torch.randn(12, 6, generator=gen), torch.randint(0, 3, (12,), generator=gen)
+    task = Task(0, x, y, x, y, (0, 1, 2), name="t0")
+    regs = {p: FunctionalRegularizer(n_points=6, forward_precision=p) for p in ("fp32", "train")}
+    for reg in regs.values():
+        reg.on_task_end(model, task)
+        reg.on_task_start(model, task)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    batch = loop.Batch(x[:4], y[:4], 0)
+    assert torch.equal(regs["train"].penalty(model, batch, task), regs["fp32"].penalty(model, batch, task))
+
+    reg = regs["train"]
+    entry = next(iter(reg.memory))
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        f = model(entry.x)
+    assert f.dtype == torch.bfloat16
+    d = (f.float().softmax(-1) - entry.extras["p_old"]).T.unsqueeze(-1)  # [C, M, 1]
+    z = torch.linalg.solve_triangular(entry.extras["chol"], d, upper=False)
+    oracle = 0.5 * reg.tau * (z * z).sum()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = reg.penalty(model, batch, task)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, oracle, rtol=1e-5, atol=1e-7)
+    fp32 = regs["fp32"].penalty(model, batch, task)
+    assert not torch.equal(got, fp32)  # the bf16 forward moved it, by bf16's rounding, not more:
+    torch.testing.assert_close(got, fp32, rtol=5e-2, atol=0)
+    got.backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_fromp_forward_precision_is_checked():
+    with pytest.raises(ValueError, match="forward_precision: got 'bf16'; allowed: 'fp32', 'train'"):
+        FunctionalRegularizer(forward_precision="bf16")
+    from continual_blr.methods import build_method
+    with pytest.raises(ValueError, match="params.forward_precision: got 'x'"):
+        build_method("fromp", {"forward_precision": "x"})

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from ..data.stream import Task, TaskStream
 from ..memory import SELECTIONS, SENSITIVITY_SELECTIONS
-from ..regularizers.functional import CLASS_CHOICES, KERNELS, OUTPUTS, FunctionalRegularizer
+from ..regularizers.functional import CLASS_CHOICES, FORWARD_PRECISIONS, KERNELS, OUTPUTS, FunctionalRegularizer
 from ..types import Batch
 from .base import Method, TrainConfig, mean_nll
 
@@ -125,6 +125,9 @@ class FunctionalParams:
             On real split MNIST both collapse and the order flips (33.2 % vs 28.5 %, split_mnist_class.md);
             with replay of the points' labels ``"all"`` is the better choice there (docs/replay.md).
         chunk_size: examples per pass of the curvature engine (None: its default).
+        forward_precision: ``"fp32"`` (default) | ``"train"``: the memorable points' forward and backward in the
+            training step's precision (bf16 under ``train.precision: bf16``), everything after the network's outputs
+            in fp32 (``FunctionalRegularizer``; cost and error: ``benchmarks/perf/perf_fromp_bf16.py``).
     """
 
     tau: float = 10.0
@@ -137,6 +140,7 @@ class FunctionalParams:
     output: str = "probs"
     jitter_relative: float = 0.0
     drop_below: float = 0.0
+    forward_precision: str = "fp32"
 
     def __post_init__(self) -> None:
         """One-line ``ValueError`` naming the field and what is allowed."""
@@ -159,6 +163,9 @@ class FunctionalParams:
             raise ValueError(f"params.chunk_size: must be >= 1 or null, got {self.chunk_size}")
         if self.output not in OUTPUTS:
             raise ValueError(f"params.output: got {self.output!r}; allowed: {', '.join(map(repr, OUTPUTS))}")
+        if self.forward_precision not in FORWARD_PRECISIONS:
+            raise ValueError(f"params.forward_precision: got {self.forward_precision!r}; allowed: "
+                             f"{', '.join(map(repr, FORWARD_PRECISIONS))}")
         for name in ("jitter_relative", "drop_below"):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):

@@ -138,7 +138,7 @@ from ..memory import (
     select_per_class,
     selection_scores,
 )
-from ..mixed_precision import full_precision
+from ..mixed_precision import active_autocast, full_precision, resumed_autocast, to_fp32
 from ..types import Batch, KronBlock, KronCurvature, ParamDict, params_of
 
 __all__ = ["FunctionalRegularizer", "KERNELS", "CLASS_CHOICES", "OUTPUTS", "condition_kernel"]
@@ -146,6 +146,7 @@ __all__ = ["FunctionalRegularizer", "KERNELS", "CLASS_CHOICES", "OUTPUTS", "cond
 KERNELS = ("classwise", "full", "kron", "identity")
 CLASS_CHOICES = ("task", "all")
 OUTPUTS = ("probs", "logits")
+FORWARD_PRECISIONS = ("fp32", "train")  # the memorable points' forward: always fp32, or the training step's
 MAX_JITTER_RETRIES = 6
 """If K + εI is not positive definite in float64, ε is multiplied by 10 up to this many times."""
 
@@ -300,6 +301,11 @@ class FunctionalRegularizer:
         jitter_relative: r in ε' = max(ε, r · max_i K_ii) per kernel matrix (0: the absolute ε, as the paper).
         drop_below: c — a (point, output) whose K_ii < c · ε' at a rebuild is left out of the penalty until the next
             rebuild (0: none is). Counts in :attr:`health`.
+        forward_precision: ``"fp32"`` (default: the penalty computes in fp32 even inside bf16 autocast) |
+            ``"train"``: the forward over the memorable points (and its backward) runs in the training step's
+            precision — bf16 under ``train.precision: bf16`` — and its outputs are cast to fp32 before the softmax,
+            Δp, the solves with the fp32 Cholesky factors and the sum. For the cost of bf16 runs; the error it
+            adds is measured by ``benchmarks/perf/perf_fromp_bf16.py``.
 
     Attributes:
         health: one list per rebuild, one dict per stored task: ``task_id``, ``points``, ``dropped_points`` (points
@@ -326,7 +332,11 @@ class FunctionalRegularizer:
         output: str = "probs",
         jitter_relative: float = 0.0,
         drop_below: float = 0.0,
+        forward_precision: str = "fp32",
     ) -> None:
+        if forward_precision not in FORWARD_PRECISIONS:
+            raise ValueError(f"forward_precision: got {forward_precision!r}; allowed: "
+                             f"{', '.join(map(repr, FORWARD_PRECISIONS))}")
         if output not in OUTPUTS:
             raise ValueError(f"output: got {output!r}; allowed: {', '.join(map(repr, OUTPUTS))}")
         for name, v in (("jitter_relative", jitter_relative), ("drop_below", drop_below)):
@@ -367,6 +377,7 @@ class FunctionalRegularizer:
         self.output = output
         self.jitter_relative = float(jitter_relative)
         self.drop_below = float(drop_below)
+        self.forward_precision = forward_precision
         self.health: list[list[dict[str, Any]]] = []
         self._norm_statistics: NormStatistics | None = None
         self.memory = MemoryStore()
@@ -620,13 +631,20 @@ class FunctionalRegularizer:
         self._group_tasks = group_tasks
         return groups
 
-    @full_precision
     def penalty(self, model: nn.Module, batch: Batch, task: Task, params: ParamDict | None = None) -> Tensor:
         """(τ/2) Σ_s Σ_c Δp_{s,c}ᵀ K_{s,c}⁻¹ Δp_{s,c} at the model's parameters (or at ``params``).
 
         Δpᵀ K⁻¹ Δp = ‖L⁻¹ Δp‖² with the Cholesky factor L of K + εI: one batched triangular solve per group of
         tasks (it reads only L's triangle, half the memory traffic of a product with K⁻¹, forward and backward).
+        In fp32 throughout, also inside autocast, except the memorable points' forward under
+        ``forward_precision="train"``.
         """
+        outer = active_autocast() if self.forward_precision == "train" else None
+        return self._penalty(model, batch, task, params, outer)
+
+    @full_precision
+    def _penalty(self, model: nn.Module, batch: Batch, task: Task, params: ParamDict | None,
+                 outer: tuple[str, torch.dtype] | None) -> Tensor:
         ref = next(iter(params.values())) if params else next(p for p in model.parameters())
         zero = torch.zeros((), device=ref.device, dtype=ref.dtype)
         if self.tau == 0.0 or not len(self.memory):
@@ -636,7 +654,9 @@ class FunctionalRegularizer:
         total = zero
         for (head, x, parts), task_id in zip(self._groups, self._group_tasks):
             with eval_mode(model), self._norm(model, task_id):  # as the reference: no dropout noise in Δp
-                f = forward(model, x, head, params)
+                with resumed_autocast(outer):
+                    f = forward(model, x, head, params)
+                f = to_fp32(f)  # bf16 outputs of a resumed autocast; fp32 / fp64 ones stay as they are
                 p = torch.softmax(f, dim=-1) if self.output == "probs" else f
             for sl, n_tasks, m, cols, drop_last, p_old, mask, chol in parts:
                 pe = p[sl].reshape(n_tasks, m, -1)
@@ -665,7 +685,8 @@ class FunctionalRegularizer:
         return {"tau": self.tau, "n_points": self.n_points, "kernel": self.kernel, "selection": self.selection,
                 "prior_precision": self.prior_precision, "jitter": self.jitter, "classes": self.classes,
                 "class_incremental": self.class_incremental, "memory_size": self.memory_size, "output": self.output,
-                "jitter_relative": self.jitter_relative, "drop_below": self.drop_below}
+                "jitter_relative": self.jitter_relative, "drop_below": self.drop_below,
+                "forward_precision": self.forward_precision}
 
     def state_dict(self) -> dict[str, Any]:
         """Plain tensors / dicts / lists only (``torch.load(weights_only=True)`` reads it back)."""
