@@ -86,3 +86,43 @@ def test_record_dialect():
     assert fingerprint.record_dialect({"versions": {"python": "3.12.3"}}) == "3.12"
     assert fingerprint.record_dialect({"versions": {"python": "3.12.3"}, "fingerprint_format": "3.11"}) == "3.11"
     assert fingerprint.record_dialect({"versions": {"python": "3.11.7"}}) == "3.11"
+
+
+def _import_records_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("import_records", ROOT / "benchmarks" / "device" / "import_records.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_import_records_translates_a_312_record_and_refuses_a_dirty_one(tmp_path):
+    """benchmarks/device/import_records.py: a job folder as gpu_runs.sh leaves it. The 3.12 hashes are taken from
+    the sources of HEAD (``git archive``), the commit the record names, so the check has something to pass."""
+    import json
+    import subprocess
+
+    ir = _import_records_module()
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    commit = head.stdout.strip()
+    src = ir.checkout(commit, tmp_path / "src")
+    entry = "continual_blr/types.py::params_of"
+    old = fingerprint.source_hashes({entry}, src, "3.12")
+    job = tmp_path / "in" / "split_x-none-0" / "split_x" / "task" / "full_validation0.1"
+    job.mkdir(parents=True)
+    base = {"avg_acc": 0.5, "versions": {"python": "3.12.3"}, "fingerprint": old}
+    (job / "none_seed0.json").write_text(json.dumps(base | {"commit": commit, "dirty": False}))
+    (job / "ewc_seed0.json").write_text(json.dumps(base | {"commit": commit, "dirty": True}))
+    (job.parents[2] / "results").mkdir()
+    (job.parents[2] / "results" / "table_seed0.json").write_text("{}")  # a table of the job's own: left out
+    lines = ir.import_records(tmp_path / "in", tmp_path / "records")
+    assert any("ewc_seed0.json: refused" in line for line in lines)
+    out = json.loads((tmp_path / "records" / "split_x" / "task" / "full_validation0.1" / "none_seed0.json").read_text())
+    assert out["fingerprint"] == fingerprint.source_hashes({entry}, src)
+    assert out["fingerprint"] != old and out["fingerprint_format"] == "3.11"
+    assert out["fingerprint_translated"] == {"from": "3.12", "commit": commit, "unverified": []}
+    assert not (tmp_path / "records" / "split_x" / "task" / "full_validation0.1" / "ewc_seed0.json").exists()
+    assert not list((tmp_path / "records").rglob("table_seed0.json"))
