@@ -269,6 +269,7 @@ class VCLMethod(Method):
             carry_examples=None,
             noise="gaussian",  # fresh N(0, I) weight samples each step (optim.noise)
             noise_refresh=64,
+            task_start_mean="carry",  # VCL starts each task at q_{t−1}'s mean
         )
 
     def blr_params(self) -> BLRParams:
