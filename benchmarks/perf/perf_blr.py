@@ -152,7 +152,8 @@ def end_to_end(data_dir: str | None, quick: bool, benchmark: str = "split_mnist"
                configs: tuple[str, ...] = E2E_CONFIGS) -> str:
     """CPU seconds of whole runs of one benchmark in this invocation: ``none``, the table's ``blr`` (blr.yaml, eager
     and with ``fused_step``) and, where the benchmark has them, the Price-estimate routes ``blr_price.yaml`` (also
-    with the other weight noise, ``gaussian`` / ``pooled``) and ``ivon.yaml`` (the issue's target: the table's BLR
+    with the other weight noise, ``gaussian`` / ``pooled``) and ``ivon.yaml`` (also with ``fused_step``, and with
+    ``fused_step`` and pooled noise: other random numbers, so other accuracies) (the issue's target: the table's BLR
     run ≤ 1.5× the CPU of ``none``). ``configs`` keeps only those configs' rows (``none`` always runs).
 
     With ``repeats`` R > 1 every row runs R times, in rounds (each round runs all rows in order), so a change in the
@@ -168,6 +169,9 @@ def end_to_end(data_dir: str | None, quick: bool, benchmark: str = "split_mnist"
     for m in ("blr_price", "ivon"):
         if m in configs and (ROOT / "configs" / benchmark / f"{m}.yaml").is_file():
             rows.append((m, m, {}))
+            if m == "ivon":  # IVON's step as one compiled loop, with either weight noise (the config's numbers move)
+                rows += [(f"{m}, fused_step", m, {"fused_step": True}),
+                         (f"{m}, fused_step, noise pooled", m, {"fused_step": True, "noise": "pooled"})]
             if m == "blr_price":  # the Price route with the other weight noise (optim.noise), same process
                 other = "gaussian" if _split_mnist_config(m, data_dir, quick, benchmark).methods[0].params.get(
                     "noise", "gaussian") == "pooled" else "pooled"
