@@ -126,3 +126,13 @@ def test_import_records_translates_a_312_record_and_refuses_a_dirty_one(tmp_path
     assert out["fingerprint_translated"] == {"from": "3.12", "commit": commit, "unverified": []}
     assert not (tmp_path / "records" / "split_x" / "task" / "full_validation0.1" / "ewc_seed0.json").exists()
     assert not list((tmp_path / "records").rglob("table_seed0.json"))
+
+    # importing again: the record already there is an earlier evaluation, kept in superseded/, never overwritten;
+    # a second job writing the same target in one import is refused
+    twin = tmp_path / "in" / "split_x-none-0b" / "split_x" / "task" / "full_validation0.1"
+    twin.mkdir(parents=True)
+    (twin / "none_seed0.json").write_text(json.dumps(base | {"commit": commit, "dirty": False, "avg_acc": 0.6}))
+    lines = ir.import_records(tmp_path / "in", tmp_path / "records")
+    assert sum("refused, a record for" in line for line in lines) == 1
+    kept = list((tmp_path / "records").rglob("superseded/none_seed0@*.json"))
+    assert len(kept) == 1 and json.loads(kept[0].read_text())["avg_acc"] == 0.5

@@ -196,6 +196,17 @@ def test_curvature_is_fp32_inside_an_active_bf16_autocast(gen, kind, structure):
         _close_fp32(ref, got)
 
 
+def _stored_then_moved(model, task, gen, *regs):
+    """Each regulariser stores ``task``'s points and kernels; then the weights move, so that Δp ≠ 0."""
+    for reg in regs:
+        reg.on_task_end(model, task)
+        reg.on_task_start(model, task)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return regs
+
+
 def test_fromp_kernel_and_penalty_are_fp32_inside_an_active_bf16_autocast(gen):
     model = _small_net()
     x, y = torch.randn(12, 6, generator=gen), torch.randint(0, 3, (12,), generator=gen)
@@ -207,12 +218,7 @@ def test_fromp_kernel_and_penalty_are_fp32_inside_an_active_bf16_autocast(gen):
     _close_fp32(ref, got)
 
     task = Task(0, x, y, x, y, (0, 1, 2), name="t0")
-    reg = FunctionalRegularizer(n_points=6)
-    reg.on_task_end(model, task)
-    reg.on_task_start(model, task)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    (reg,) = _stored_then_moved(model, task, gen, FunctionalRegularizer(n_points=6))
     batch = loop.Batch(x[:4], y[:4], 0)
     ref_pen = reg.penalty(model, batch, task)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -331,12 +337,7 @@ def test_fromp_forward_precision_train_runs_the_points_forward_in_bf16_and_the_r
     x, y = torch.randn(12, 6, generator=gen), torch.randint(0, 3, (12,), generator=gen)
     task = Task(0, x, y, x, y, (0, 1, 2), name="t0")
     regs = {p: FunctionalRegularizer(n_points=6, forward_precision=p) for p in ("fp32", "train")}
-    for reg in regs.values():
-        reg.on_task_end(model, task)
-        reg.on_task_start(model, task)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    _stored_then_moved(model, task, gen, *regs.values())
     batch = loop.Batch(x[:4], y[:4], 0)
     assert torch.equal(regs["train"].penalty(model, batch, task), regs["fp32"].penalty(model, batch, task))
 

@@ -8,7 +8,9 @@ A record made on the GPU machine before fingerprints were canonical (Python 3.12
 ``fingerprint.canonical_dump``) holds hashes in 3.12's ``ast.dump``; each entry is rewritten in the canonical form
 only where its stored hash is checked equal to the 3.12 hash of the source at the record's own commit
 (``git archive``); the record then says so in ``fingerprint_translated``. An entry that does not check keeps its
-hash (the record stays stale, which ``tables.py --status`` names). A record that names no clean commit is refused.
+hash (the record stays stale, which ``tables.py --status`` names). A record that names no clean commit is refused,
+and so is a second record for the same target in one import. A record already at the target (an earlier evaluation
+of that row and seed) is moved to ``superseded/`` first (``ledger.supersede``), so it stays in the ledger.
 
     python benchmarks/device/import_records.py /work/.device/N/records.tgz
 """
@@ -25,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fingerprint  # noqa: E402
+import ledger  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,6 +52,7 @@ def import_records(source: Path, records_dir: Path) -> list[str]:
                 tf.extractall(tmp / "in", filter="data")
             source = tmp / "in"
         sources: dict[str, Path] = {}
+        written: set[Path] = set()
         for path in sorted(source.rglob("*_seed*.json")):
             rel = path.relative_to(source)
             parts = rel.parts[1:] if len(rel.parts) > 4 else rel.parts  # drop the job tag folder
@@ -71,6 +75,13 @@ def import_records(source: Path, records_dir: Path) -> list[str]:
                 note = (f", fingerprint {dialect} -> 3.11 ({len(fp) - len(unverified)} of {len(fp)} entries checked"
                         f" at {commit})")
             out = records_dir.joinpath(*parts)
+            if out in written:
+                lines.append(f"{rel}: refused, a record for {out.relative_to(records_dir)} came earlier in this import")
+                continue
+            written.add(out)
+            moved = ledger.supersede(out)
+            if moved is not None:
+                note += f"; the record it replaces is in {moved.relative_to(records_dir)}"
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(record, indent=2))
             lines.append(f"{out.relative_to(records_dir)}: avg acc {100 * record['avg_acc']:.2f}{note}")
