@@ -31,6 +31,7 @@ __all__ = [
     "kron_matvec",
     "kron_eig",
     "eig_solve",
+    "eigh",
     "psd_sqrt",
     "pcg",
 ]
@@ -73,10 +74,34 @@ def kron_matvec(terms: list[tuple[Tensor, Tensor]], delta: float, theta: Tensor)
     return res
 
 
+def eigh(m: Tensor) -> tuple[Tensor, Tensor]:
+    """``torch.linalg.eigh`` of a symmetric matrix, redone in float64 where the first attempt fails.
+
+    LAPACK's divide-and-conquer ``syevd`` can fail to converge in float32 on a PSD matrix with many (near-)zero
+    eigenvalues: a K-FAC input factor A = E[a aᵀ] of MNIST, whose border pixels are always 0, has 261 zero rows
+    and ~650 eigenvalues within round-off of 0, and fails that way with one MKL thread; on similar matrices it
+    returns NaN eigenvalues without raising. In float64 the same matrices decompose. The fallback runs only
+    where the first attempt raised or returned a non-finite value, so a decomposition that succeeds is
+    unchanged; the result is cast back to ``m``'s dtype.
+
+    Returns:
+        (eigenvalues ascending, eigenvectors as columns), in ``m``'s dtype.
+    """
+    try:
+        lam, u = torch.linalg.eigh(m)
+        if m.dtype == torch.float64 or (torch.isfinite(lam).all() and torch.isfinite(u).all()):
+            return lam, u
+    except torch.linalg.LinAlgError:
+        if m.dtype == torch.float64:
+            raise
+    lam, u = torch.linalg.eigh(m.to(torch.float64))
+    return lam.to(m.dtype), u.to(m.dtype)
+
+
 def kron_eig(term: tuple[Tensor, Tensor] | None, delta: float, d_out: int, d_in: int, like: Tensor) -> Eig:
     """Eigendecomposition of the one-term block G ⊗ A + δI (or δI when ``term`` is None).
 
-    With A = U_A Λ_A U_Aᵀ and G = U_G Λ_G U_Gᵀ (``torch.linalg.eigh``, eigenvalues clamped at 0):
+    With A = U_A Λ_A U_Aᵀ and G = U_G Λ_G U_Gᵀ (:func:`eigh`, eigenvalues clamped at 0):
 
         S = (U_G ⊗ U_A) diag(vec D) (U_G ⊗ U_A)ᵀ,   D[o, j] = λ_G[o] λ_A[j] + δ
 
@@ -96,8 +121,8 @@ def kron_eig(term: tuple[Tensor, Tensor] | None, delta: float, d_out: int, d_in:
         u_a = torch.eye(d_in, dtype=like.dtype, device=like.device)
         return u_g, u_a, torch.full((d_out, d_in), delta, dtype=like.dtype, device=like.device)
     a, g = term
-    la, u_a = torch.linalg.eigh(a)
-    lg, u_g = torch.linalg.eigh(g)
+    la, u_a = eigh(a)
+    lg, u_g = eigh(g)
     return u_g, u_a, torch.outer(lg.clamp_min(0), la.clamp_min(0)) + delta
 
 
@@ -108,8 +133,8 @@ def eig_solve(eig: Eig, v: Tensor) -> Tensor:
 
 
 def psd_sqrt(m: Tensor) -> Tensor:
-    """The symmetric PSD square root M^{1/2} = U diag(√max(λ, 0)) Uᵀ of a symmetric matrix (via eigh)."""
-    lam, u = torch.linalg.eigh(m)
+    """The symmetric PSD square root M^{1/2} = U diag(√max(λ, 0)) Uᵀ of a symmetric matrix (via :func:`eigh`)."""
+    lam, u = eigh(m)
     return (u * lam.clamp_min(0).sqrt()) @ u.mT
 
 
