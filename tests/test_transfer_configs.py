@@ -30,3 +30,15 @@ def test_defaults_rows_are_the_library_defaults_on_the_none_budget(name):
     cfg, none = _load("permuted_digits", f"{name}_defaults"), _load("permuted_digits", "none")
     assert cfg["methods"] == [{"name": name}]
     assert {k: v for k, v in cfg.items() if k != "methods"} == {k: v for k, v in none.items() if k != "methods"}
+
+
+STEPS_MATCHED = ("none", "ewc", "fromp", "blr", "ivon", "blr_defaults", "ivon_defaults")
+
+
+@pytest.mark.parametrize("name", STEPS_MATCHED)
+def test_steps_matched_rows_change_only_the_epochs(name):
+    """391 epochs of 12 batches = 4,692 steps per task, permuted MNIST's 469 × 10 = 4,690."""
+    cfg, base = _load("permuted_digits/steps_matched", name), _load("permuted_digits", name)
+    assert cfg["train"]["epochs"] == 391 and base["train"]["epochs"] == 10
+    strip = lambda c: {**c, "train": {k: v for k, v in c["train"].items() if k != "epochs"}}  # noqa: E731
+    assert strip(cfg) == strip(base)
