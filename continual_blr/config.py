@@ -49,10 +49,18 @@ class StreamConfig:
     def __post_init__(self) -> None:
         from .data.builders import check_validation
 
+        from .data.registry import STREAMS, stream_options
+
         try:
             self.validation = check_validation(self.validation)
         except ValueError as err:
             raise ValueError(f"stream.{err}") from None
+        if self.name in STREAMS and isinstance(self.options, dict):
+            allowed = stream_options(self.name)
+            for key in self.options:
+                if key not in allowed:
+                    raise ValueError(f"stream.options: unknown option {key!r} for {self.name} "
+                                     f"(allowed: {', '.join(allowed)})")
 
 
 @dataclass

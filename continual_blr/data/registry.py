@@ -21,6 +21,8 @@ Hyper-parameters are chosen on validation streams, never on test data:
 
 from __future__ import annotations
 
+import inspect
+
 import os
 from collections.abc import Callable
 
@@ -31,7 +33,7 @@ from .mnist import permuted_mnist, split_mnist
 from .stream import TaskStream
 from .synthetic import synthetic_stream
 
-__all__ = ["STREAMS", "DEFAULT_SCENARIOS", "make_stream"]
+__all__ = ["STREAMS", "DEFAULT_SCENARIOS", "make_stream", "stream_options"]
 
 # name -> (builder, whether it reads files under data_dir, default scenario)
 _BUILDERS: dict[str, tuple[Callable[..., TaskStream], bool, str]] = {
@@ -46,6 +48,19 @@ _BUILDERS: dict[str, tuple[Callable[..., TaskStream], bool, str]] = {
 
 STREAMS: tuple[str, ...] = tuple(_BUILDERS)
 DEFAULT_SCENARIOS: dict[str, str] = {name: entry[2] for name, entry in _BUILDERS.items()}
+
+
+def stream_options(name: str) -> tuple[str, ...]:
+    """The options (``make_stream``'s ``**kwargs``) that the stream ``name`` takes: its builder's keyword
+    parameters other than those ``make_stream`` sets itself (``seed``, ``scenario``, ``data_dir``).
+
+    Raises:
+        ValueError: unknown ``name``.
+    """
+    if name not in _BUILDERS:
+        raise ValueError(f"stream: got {name!r}; allowed: {', '.join(STREAMS)}")
+    params = inspect.signature(_BUILDERS[name][0]).parameters
+    return tuple(p for p in params if p not in ("seed", "scenario", "data_dir"))
 
 
 def make_stream(
