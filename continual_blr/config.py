@@ -48,7 +48,6 @@ class StreamConfig:
 
     def __post_init__(self) -> None:
         from .data.builders import check_validation
-
         from .data.registry import STREAMS, stream_options
 
         try:

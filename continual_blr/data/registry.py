@@ -22,7 +22,6 @@ Hyper-parameters are chosen on validation streams, never on test data:
 from __future__ import annotations
 
 import inspect
-
 import os
 from collections.abc import Callable
 

@@ -78,9 +78,9 @@ def eigh(m: Tensor) -> tuple[Tensor, Tensor]:
     """``torch.linalg.eigh`` of a symmetric matrix, redone in float64 where the first attempt fails.
 
     LAPACK's divide-and-conquer ``syevd`` can fail to converge in float32 on a PSD matrix with many (near-)zero
-    eigenvalues: a K-FAC input factor A = E[a aᵀ] of MNIST, whose border pixels are always 0, has 261 zero rows
-    and ~650 eigenvalues within round-off of 0, and fails that way with one MKL thread; on similar matrices it
-    returns NaN eigenvalues without raising. In float64 the same matrices decompose. The fallback runs only
+    eigenvalues: a K-FAC input factor A = E[a aᵀ] of permuted MNIST's first steps (261 of its 785 rows zero, for
+    pixels no image had lit; ~650 eigenvalues within round-off of 0) fails that way with one MKL thread; on
+    similar matrices it returns NaN eigenvalues without raising. In float64 the same matrices decompose. The fallback runs only
     where the first attempt raised or returned a non-finite value, so a decomposition that succeeds is
     unchanged; the result is cast back to ``m``'s dtype.
 
