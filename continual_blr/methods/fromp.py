@@ -128,6 +128,9 @@ class FunctionalParams:
         forward_precision: ``"fp32"`` (default) | ``"train"``: the memorable points' forward and backward in the
             training step's precision (bf16 under ``train.precision: bf16``), everything after the network's outputs
             in fp32 (``FunctionalRegularizer``; cost and error: ``benchmarks/perf/perf_fromp_bf16.py``).
+        tasks_per_step: k — each step's penalty is the unbiased estimate (n / k) Σ over k of the n stored past
+            tasks, drawn from the method's generator (k·M memorable points through the network per step instead of
+            n·M; :mod:`continual_blr.regularizers.functional`); 0 (default, the paper): every stored task.
     """
 
     tau: float = 10.0
@@ -141,6 +144,7 @@ class FunctionalParams:
     jitter_relative: float = 0.0
     drop_below: float = 0.0
     forward_precision: str = "fp32"
+    tasks_per_step: int = 0
 
     def __post_init__(self) -> None:
         """One-line ``ValueError`` naming the field and what is allowed."""
@@ -166,6 +170,10 @@ class FunctionalParams:
         if self.forward_precision not in FORWARD_PRECISIONS:
             raise ValueError(f"params.forward_precision: got {self.forward_precision!r}; allowed: "
                              f"{', '.join(map(repr, FORWARD_PRECISIONS))}")
+        if isinstance(self.tasks_per_step, bool) or not isinstance(self.tasks_per_step, int) \
+                or self.tasks_per_step < 0:
+            raise ValueError(f"params.tasks_per_step: must be an integer >= 0 (0: every stored task), got "
+                             f"{self.tasks_per_step!r}")
         for name in ("jitter_relative", "drop_below"):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):

@@ -96,6 +96,17 @@ s's memorable points run on the BatchNorm running statistics task s ended with, 
 train-mode batches keep overwriting (then each stored task is its own forward). Without it (``shared``, the
 default) they read the network's current statistics, as the reference code does.
 
+Past tasks per step (``tasks_per_step=k``; 0, the default and the paper, uses all). With n stored tasks and
+k < n, each step draws a set S of k of them uniformly without replacement (the regulariser's ``torch.Generator``)
+and forms
+
+    R̂(θ) = (n / k) · (τ/2) Σ_{s∈S} Σ_c Δp_{s,c}ᵀ K_{s,c}⁻¹ Δp_{s,c},
+
+an unbiased estimate of the penalty and of its gradient: each task is in S with probability k / n, so
+E_S[R̂] = (τ/2) Σ_s Σ_c Δp_{s,c}ᵀ K_{s,c}⁻¹ Δp_{s,c} (the same argument as a minibatch estimate of the data term).
+The step then passes k·M memorable points forward and backward instead of n·M. The estimate's variance grows with
+n / k; whether training loses accuracy for it is a question for validation (docs/fromp.md).
+
 Speed: a training step runs one forward (and, through autograd, one backward) over the memorable
 points of each distinct head, then Σ_c ‖L_c⁻¹ Δp_c‖² with the precomputed Cholesky factors — no Jacobian of the
 memorable points is formed in the step; the gradient Σ_c J_{p_c}ᵀ K_c⁻¹ Δp_c (times τ) is the
@@ -306,6 +317,8 @@ class FunctionalRegularizer:
             precision — bf16 under ``train.precision: bf16`` — and its outputs are cast to fp32 before the softmax,
             Δp, the solves with the fp32 Cholesky factors and the sum. For the cost of bf16 runs; the error it
             adds is measured by ``benchmarks/perf/perf_fromp_bf16.py``.
+        tasks_per_step: k — each step's penalty is the unbiased estimate (n / k) · (τ/2) Σ_{s∈S} … over k of the
+            n stored tasks drawn with ``generator`` (module docstring); 0 (default) or k ≥ n: every stored task.
 
     Attributes:
         health: one list per rebuild, one dict per stored task: ``task_id``, ``points``, ``dropped_points`` (points
@@ -333,7 +346,10 @@ class FunctionalRegularizer:
         jitter_relative: float = 0.0,
         drop_below: float = 0.0,
         forward_precision: str = "fp32",
+        tasks_per_step: int = 0,
     ) -> None:
+        if not (isinstance(tasks_per_step, int) and not isinstance(tasks_per_step, bool) and tasks_per_step >= 0):
+            raise ValueError(f"tasks_per_step: must be an integer >= 0 (0: every stored task), got {tasks_per_step!r}")
         if forward_precision not in FORWARD_PRECISIONS:
             raise ValueError(f"forward_precision: got {forward_precision!r}; allowed: "
                              f"{', '.join(map(repr, FORWARD_PRECISIONS))}")
@@ -361,7 +377,7 @@ class FunctionalRegularizer:
             raise ValueError(f"jitter: must be >= 0, got {jitter}")
         if memory_size is not None and int(memory_size) < 1:
             raise ValueError(f"memory_size: must be >= 1 or None, got {memory_size}")
-        if selection in ("random", "stratified") and generator is None:
+        if (selection in ("random", "stratified") or tasks_per_step > 0) and generator is None:
             generator = torch.Generator().manual_seed(0)
         self.memory_size = None if memory_size is None else int(memory_size)
         self.tau = float(tau)
@@ -378,6 +394,7 @@ class FunctionalRegularizer:
         self.jitter_relative = float(jitter_relative)
         self.drop_below = float(drop_below)
         self.forward_precision = forward_precision
+        self.tasks_per_step = int(tasks_per_step)
         self.health: list[list[dict[str, Any]]] = []
         self._norm_statistics: NormStatistics | None = None
         self.memory = MemoryStore()
@@ -596,13 +613,15 @@ class FunctionalRegularizer:
 
     # ----------------------------------------------------------------------------------- penalty
 
-    def _build_groups(self, device: torch.device, dtype: torch.dtype) -> list:
+    def _build_groups(self, device: torch.device, dtype: torch.dtype,
+                      entries: list[MemoryEntry] | None = None) -> tuple[list, list[int | None]]:
         """Memorable points grouped by head (one forward per head and step); within a head, tasks with the
         same number of points and compared columns are stacked so that one batched triangular solve
-        serves them all."""
+        serves them all. Returns the groups and, per group, the task whose BatchNorm statistics it uses (or
+        None). ``entries``: a subset of the memory (default: all of it)."""
         by_head: dict[tuple[int, int | None], dict[tuple, list[MemoryEntry]]] = {}
         per_task = self.norm_statistics is not None  # one forward per task: each on its own statistics
-        for e in self.memory:
+        for e in (self.memory if entries is None else entries):
             if "p_old" not in e.extras:
                 raise RuntimeError("FROMP: kernels and old predictions are not built; call on_task_start (or "
                                    "rebuild) after on_task_end / load_state_dict")
@@ -628,8 +647,16 @@ class FunctionalRegularizer:
                 start += n
             groups.append((head, torch.cat(xs), parts))
             group_tasks.append(task_id)
-        self._group_tasks = group_tasks
-        return groups
+        return groups, group_tasks
+
+    def draw_tasks(self) -> list[int] | None:
+        """The positions (in :attr:`memory`) of the stored tasks this step's penalty uses: k of the n drawn
+        uniformly without replacement from the generator, sorted; None (every task, nothing drawn) when
+        ``tasks_per_step`` is 0 or at least n."""
+        n = len(self.memory)
+        if self.tasks_per_step == 0 or self.tasks_per_step >= n:
+            return None
+        return sorted(torch.randperm(n, generator=self.generator)[: self.tasks_per_step].tolist())
 
     def penalty(self, model: nn.Module, batch: Batch, task: Task, params: ParamDict | None = None) -> Tensor:
         """(τ/2) Σ_s Σ_c Δp_{s,c}ᵀ K_{s,c}⁻¹ Δp_{s,c} at the model's parameters (or at ``params``).
@@ -638,21 +665,34 @@ class FunctionalRegularizer:
         tasks (it reads only L's triangle, half the memory traffic of a product with K⁻¹, forward and backward).
         In fp32 throughout, also inside autocast, except the memorable points' forward under
         ``forward_precision="train"``.
+
+        With ``tasks_per_step`` k < n stored tasks, the unbiased estimate over k tasks drawn for this step
+        (:meth:`draw_tasks`, module docstring).
         """
         outer = active_autocast() if self.forward_precision == "train" else None
-        return self._penalty(model, batch, task, params, outer)
+        subset = self.draw_tasks() if (self.tau != 0.0 and len(self.memory)) else None
+        return self._penalty(model, batch, task, params, outer, subset)
 
     @full_precision
     def _penalty(self, model: nn.Module, batch: Batch, task: Task, params: ParamDict | None,
-                 outer: tuple[str, torch.dtype] | None) -> Tensor:
+                 outer: tuple[str, torch.dtype] | None, subset: list[int] | None = None) -> Tensor:
+        """The penalty over every stored task, or its estimate (n / |subset|) Σ_{s ∈ subset} over the tasks at
+        the positions ``subset`` of :attr:`memory`."""
         ref = next(iter(params.values())) if params else next(p for p in model.parameters())
         zero = torch.zeros((), device=ref.device, dtype=ref.dtype)
         if self.tau == 0.0 or not len(self.memory):
             return zero
-        if self._groups is None or self._groups[0][1].device != ref.device or self._groups[0][1].dtype != ref.dtype:
-            self._groups = self._build_groups(ref.device, ref.dtype)
+        if subset is None:
+            if (self._groups is None or self._groups[0][1].device != ref.device
+                    or self._groups[0][1].dtype != ref.dtype):
+                self._groups, self._group_tasks = self._build_groups(ref.device, ref.dtype)
+            groups, group_tasks, scale = self._groups, self._group_tasks, 1.0
+        else:
+            entries = list(self.memory)
+            groups, group_tasks = self._build_groups(ref.device, ref.dtype, [entries[i] for i in subset])
+            scale = len(entries) / len(subset)
         total = zero
-        for (head, x, parts), task_id in zip(self._groups, self._group_tasks):
+        for (head, x, parts), task_id in zip(groups, group_tasks):
             with eval_mode(model), self._norm(model, task_id):  # as the reference: no dropout noise in Δp
                 with resumed_autocast(outer):
                     f = forward(model, x, head, params)
@@ -677,7 +717,7 @@ class FunctionalRegularizer:
                     rhs = rhs * mask
                 z = torch.linalg.solve_triangular(chol, rhs, upper=False)
                 total = total + (z * z).sum()
-        return 0.5 * self.tau * total
+        return 0.5 * self.tau * total if scale == 1.0 else (0.5 * self.tau * scale) * total
 
     # ------------------------------------------------------------------------------ state_dict
 
@@ -686,7 +726,7 @@ class FunctionalRegularizer:
                 "prior_precision": self.prior_precision, "jitter": self.jitter, "classes": self.classes,
                 "class_incremental": self.class_incremental, "memory_size": self.memory_size, "output": self.output,
                 "jitter_relative": self.jitter_relative, "drop_below": self.drop_below,
-                "forward_precision": self.forward_precision}
+                "forward_precision": self.forward_precision, "tasks_per_step": self.tasks_per_step}
 
     def state_dict(self) -> dict[str, Any]:
         """Plain tensors / dicts / lists only (``torch.load(weights_only=True)`` reads it back)."""
