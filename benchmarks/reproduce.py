@@ -60,6 +60,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Published numbers (final average test accuracy, %), from docs/anchors.md: (value, source).
 REFERENCES: dict[tuple[str, str, str], tuple[float, str]] = {
     ("split_mnist", "task", "fromp"): (99.3, "FROMP paper / reference code README"),
+    ("split_mnist", "task", "fromp_sampled"): (99.3, "FROMP paper (every past task per step; ours: one per step)"),
     ("split_mnist", "task", "frorp"): (99.07, "reference code run here (FRORP)"),
     ("split_mnist", "task", "vcl"): (98.4, "VCL + k-center coreset (VCL w/o coreset ≈ 95.5)"),
     ("split_mnist", "task", "vcl_vogn"): (95.5, "VCL without a coreset (VCL paper)"),
