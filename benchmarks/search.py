@@ -269,7 +269,8 @@ def write_report(out: Path, *, benchmark: str, config: str, base, grid: dict[str
         best = done[choose([[r["avg_acc"] for r in records[i]] for i in done])]
     for i, (point, label) in enumerate(zip(points, labels)):
         recs = records[i]
-        lam = strength.format_lam(strength.lam_equivalent(mc.name, dict(mc.params) | split_point(point)[0]))
+        lam = strength.format_lam(strength.lam_equivalent(mc.name, dict(mc.params) | split_point(point)[0],
+                                                          base.stream.scenario or "task"))
         if not recs:
             lines.append(f"| {label} | {lam} | (not run yet) | | | |")
             continue

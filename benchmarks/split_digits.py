@@ -301,8 +301,8 @@ def _fromp_note() -> list[str]:
 def _lam_cell(row: Row) -> str:
     """The λ-equivalent column: EWC's λ, 1/T of the Bayesian methods (``strength.py``); task / class
     when the row runs another config in the class scenario."""
-    cells = [strength.format_lam(strength.lam_equivalent(mc.name, mc.params))
-             for mc in (method_config(row, s) for s in row.scenarios)]
+    cells = [strength.format_lam(strength.lam_equivalent(mc.name, mc.params, s))
+             for s, mc in ((s, method_config(row, s)) for s in row.scenarios)]
     return " / ".join(dict.fromkeys(cells))
 
 

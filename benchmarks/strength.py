@@ -17,11 +17,12 @@ from typing import Any
 
 __all__ = ["lam_equivalent", "format_lam"]
 
-def lam_equivalent(name: str, params: dict[str, Any] | None = None) -> float | None:
+def lam_equivalent(name: str, params: dict[str, Any] | None = None, scenario: str = "task") -> float | None:
     """EWC's λ that gives a past task of the same size the same weight as method ``name`` with
     ``params`` (defaults filled in from the method's params class); None where there is no equivalent.
 
     EWC: its λ; a method whose params have a ``temperature`` T (Laplace, BLR, IVON): 1/T; VCL: 1; none: 0.
+    ``scenario``: the stream's, for a temperature whose default depends on the head layout (Laplace's).
     """
     from continual_blr.methods import build_method
 
@@ -32,6 +33,8 @@ def lam_equivalent(name: str, params: dict[str, Any] | None = None) -> float | N
     p = getattr(build_method(name, params or {}), "params", None)
     if name == "ewc":
         return float(p.lam)
+    if p is not None and hasattr(p, "temperature_for"):
+        return 1.0 / p.temperature_for(scenario)
     if p is not None and hasattr(p, "temperature"):
         return 1.0 / float(p.temperature)
     return None

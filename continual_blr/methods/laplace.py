@@ -62,9 +62,11 @@ from ..regularizers.weight_space import GaussianPrior
 from ..types import Curvature, Structure, parse_enum
 from .base import Method, TrainConfig
 
-__all__ = ["LaplaceParams", "LaplaceMethod", "SUBSETS", "PREDICTIVES", "MARGLIK"]
+__all__ = ["LaplaceParams", "LaplaceMethod", "SUBSETS", "PREDICTIVES", "MARGLIK", "DEFAULT_TEMPERATURE"]
 
 SUBSETS = ("all", "last_layer")
+# the temperature when ``LaplaceParams.temperature`` is None, by head layout (LaplaceParams' docstring: how chosen)
+DEFAULT_TEMPERATURE = {"other": 0.01, "single_head_class": 0.002}
 MARGLIK = ("off", "report", "use")
 
 
@@ -72,16 +74,22 @@ MARGLIK = ("off", "report", "use")
 class LaplaceParams:
     """Parameters of online Laplace.
 
-    Defaults: δ = 1e-6 and T = 0.01, chosen on validation splits of split digits in the README quickstart's form
-    (``benchmarks/results/search/search_defaults_split_digits.md``): the only T of the grid above ``none`` in both the
-    task and the class scenario. A δ of order 1 is not harmless under Adam: once a task's data gradient has
-    vanished, Adam rescales the prior's small pull toward 0 into steps of size lr (δ = 1: 88.9 against none's 95.9
-    in the task scenario, with no carried curvature at all).
+    Defaults: δ = 1e-6, and a temperature that depends on the head layout (``temperature: None``): T = 0.01 on
+    multi-head (task-incremental) and domain-incremental streams, T = 0.002 on single-head class-incremental ones
+    (:data:`DEFAULT_TEMPERATURE`). Both were chosen on validation splits of split digits in the README quickstart's
+    form: T 0.01 in ``benchmarks/results/search/search_defaults_split_digits.md``; T 0.002 for the class scenario in
+    ``search_defaults_laplace_class_temperature.md`` (fresh validation seeds 10-19: 47.1 against none's 11.6, after
+    ``search_defaults_laplace_temperature.md`` found no single T above ``none`` in both scenarios). On one shared head
+    every new class's gradient lowers the old classes' logits at old inputs, and only a colder prior holds them; a
+    head per task receives no gradient from later tasks. A δ of order 1 is not harmless under Adam: once a task's
+    data gradient has vanished, Adam rescales the prior's small pull toward 0 into steps of size lr (δ = 1: 88.9
+    against none's 95.9 in the task scenario, with no carried curvature at all).
 
     Attributes:
         structure: ``"diag"``, ``"kron"`` (K-FAC) or ``"full"`` (small models / last layer).
         prior_precision: δ of the first prior N(0, δ⁻¹ I).
-        temperature: T; the carried precision adds C_t / T (T < 1: a colder, stronger prior).
+        temperature: T; the carried precision adds C_t / T (T < 1: a colder, stronger prior). None: the default
+            of the stream's head layout, :meth:`temperature_for` (resolved at ``setup``).
         curvature: ``"ggn"`` (default), ``"empirical_fisher"`` or ``"mc_fisher"``.
         subset: ``"all"`` parameters or the ``"last_layer"``.
         predictive: ``"map"`` (the network's softmax) or ``"glm"`` (linearised, probit; module docstring).
@@ -91,7 +99,7 @@ class LaplaceParams:
 
     structure: str = "kron"
     prior_precision: float = 1e-6
-    temperature: float = 0.01
+    temperature: float | None = None
     curvature: str = "ggn"
     subset: str = "all"
     predictive: str = "map"
@@ -101,8 +109,11 @@ class LaplaceParams:
         parse_enum(Structure, self.structure, "params.structure")
         if not self.prior_precision > 0:
             raise ValueError(f"params.prior_precision: must be > 0, got {self.prior_precision}")
-        if not self.temperature > 0:
-            raise ValueError(f"params.temperature: must be > 0, got {self.temperature}")
+        if self.temperature is not None and not (isinstance(self.temperature, (int, float))
+                                                 and not isinstance(self.temperature, bool)
+                                                 and 0 < self.temperature < math.inf):
+            raise ValueError(f"params.temperature: must be a finite number > 0, or null (the default of the stream's "
+                             f"head layout), got {self.temperature!r}")
         c = parse_enum(Curvature, self.curvature, "params.curvature")
         if c == Curvature.HESSIAN:
             raise ValueError("params.curvature: allowed: 'ggn', 'empirical_fisher', 'mc_fisher'")
@@ -113,6 +124,13 @@ class LaplaceParams:
                              f"{', '.join(map(repr, PREDICTIVES))}")
         if self.marglik not in MARGLIK:
             raise ValueError(f"params.marglik: got {self.marglik!r}; allowed: {', '.join(map(repr, MARGLIK))}")
+
+    def temperature_for(self, scenario: str) -> float:
+        """T on a stream of this scenario: the set ``temperature``, else :data:`DEFAULT_TEMPERATURE` of its head
+        layout (``"class"``: one head over all classes; ``"task"`` and ``"domain"``: the rest)."""
+        if self.temperature is not None:
+            return float(self.temperature)
+        return DEFAULT_TEMPERATURE["single_head_class" if scenario == "class" else "other"]
 
 
 class LaplaceMethod(Method):
@@ -125,15 +143,20 @@ class LaplaceMethod(Method):
         self.params = p = params or LaplaceParams()
         self.regularizer = GaussianPrior(
             structure=p.structure, curvature=p.curvature, mode="online", scale=1.0, divide_by_n=True,
-            curvature_scale=1.0 / p.temperature, prior_precision=p.prior_precision,
+            curvature_scale=1.0 / p.temperature_for("task"), prior_precision=p.prior_precision,
             param_names="last_layer" if p.subset == "last_layer" else None, generator=self.generator,
         )
 
+        self.temperature = p.temperature_for("task")  # resolved again for the stream at setup
         self.delta = p.prior_precision  # the δ inside the carried precision (changes only with marglik: use)
         self.marglik_deltas: list[float] = []  # δ̂ of each finished task (marglik: report / use)
         self._predictive: tuple[GaussianPosterior, GaussianPosterior] | None = None  # (carried, prepared) cache
 
     def setup(self, model: nn.Module, stream: TaskStream, train: TrainConfig) -> None:
+        """Resolve the temperature for the stream's head layout (no stream: not a class-incremental one), then start
+        from the first prior."""
+        self.temperature = self.params.temperature_for(getattr(stream, "scenario", "task"))
+        self.regularizer.curvature_scale = 1.0 / self.temperature
         self.regularizer.setup(model)
         self.delta = self.params.prior_precision
         self.marglik_deltas = []
