@@ -35,6 +35,10 @@ def _carried(scenario: str, params: dict) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("scenario,expected", [("class", 0.002), ("task", 0.01), ("domain", 0.01)])
 def test_the_default_is_the_head_layouts_temperature(scenario, expected):
     assert LaplaceParams().temperature_for(scenario) == expected
+    m = build_method("laplace", {})
+    m.setup(build_model("mlp", (4,), 2, 1, hidden=(3,)), make_stream("synthetic", scenario=scenario, n_tasks=2,
+            n_classes_per_task=2, n_features=4, n_train=8, n_test=2, seed=0), TrainConfig())
+    assert m.memory_stats()["temperature"] == expected  # what results.json records
     default, explicit = _carried(scenario, {}), _carried(scenario, {"temperature": expected})
     for k in default:
         assert torch.equal(default[k], explicit[k]), k

@@ -195,8 +195,9 @@ class LaplaceMethod(Method):
         return probit_softmax(f, var).to(x.dtype if x.is_floating_point() else f.dtype)
 
     def memory_stats(self) -> dict[str, Any]:
-        """No stored examples; ``marglik_prior_precision``: δ̂ of each finished task (unless ``marglik: off``)."""
-        stats = super().memory_stats()
+        """No stored examples; ``temperature``: the T the run used (the head layout's default when the params say
+        None); ``marglik_prior_precision``: δ̂ of each finished task (unless ``marglik: off``)."""
+        stats = super().memory_stats() | {"temperature": self.temperature}
         if self.params.marglik != "off":
             stats["marglik_prior_precision"] = list(self.marglik_deltas)
         return stats
