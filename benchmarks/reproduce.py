@@ -222,8 +222,19 @@ def run_resumable(cfg, work: Path, force: bool = False, on_epoch=None, executed=
 
     Raises:
         SystemExit: one line, if ``work`` holds a run begun on another version of the library (``force``
-            starts it over).
+            starts it over), or if another process is running it now (``<work>.lock``, ``run_folder.hold_lock``).
     """
+    from continual_blr.run_folder import RunInUseError, hold_lock
+
+    try:
+        with hold_lock(work.with_name(work.name + ".lock"), "--work-dir", folder=work):
+            return _run_resumable(cfg, work, force, on_epoch, executed)
+    except RunInUseError as err:
+        raise SystemExit(str(err)) from None
+
+
+def _run_resumable(cfg, work: Path, force: bool, on_epoch, executed) -> tuple:
+    """:func:`run_resumable` while its lock is held."""
     import dataclasses
     import shutil
     import threading

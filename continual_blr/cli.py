@@ -376,6 +376,7 @@ def _sweep_cfg(path: Path):
 def _cmd_run(args: argparse.Namespace) -> int:
     from .config import ConfigError
     from .data.paths import DataNotFoundError
+    from .run_folder import run_lock
     from .runner import RunInterrupted, load_run_config, run_config
 
     bad = _check_flags(args)
@@ -404,10 +405,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
             print(f"continual-blr: --resume: every method of {args.resume} has finished; nothing to run (its "
                   "results follow)", file=sys.stderr)
         with _threads(args.threads), _sigterm_as_interrupt():
+            # one writer per folder: a second `run --out X` / `--resume X` while X runs is refused, not interleaved
+            lock = (run_lock(cfg.out, "--resume" if args.resume is not None else "--out") if cfg.out is not None
+                    else contextlib.nullcontext())
             if seeds is not None:
-                return _run_sweep(cfg, seeds, args)
-            results = run_config(cfg, overwrite=args.overwrite, resume=args.resume is not None,
-                                 tensorboard=args.tensorboard, log_loo=args.log_loo)
+                with lock:
+                    return _run_sweep(cfg, seeds, args)
+            with lock:
+                results = run_config(cfg, overwrite=args.overwrite, resume=args.resume is not None,
+                                     tensorboard=args.tensorboard, log_loo=args.log_loo)
     except RunInterrupted as stop:
         print(f"continual-blr: interrupted: {stop.summary()}; kept in {stop.out}; resume with: "
               f"continual-blr run --resume {stop.out}", file=sys.stderr)

@@ -43,11 +43,12 @@ from torch import nn
 
 from .distributed import broadcast_object, is_main_process
 
-__all__ = ["RunFolder", "RunExistsError", "RunNotFoundError", "RunFileError", "read_json", "load_torch",
-           "load_weights", "check_writable", "new_run_dir", "check_out_dir", "clear_run",
+__all__ = ["RunFolder", "RunExistsError", "RunInUseError", "RunNotFoundError", "RunFileError", "hold_lock", "run_lock",
+           "read_json", "load_torch", "load_weights", "check_writable", "new_run_dir", "check_out_dir", "clear_run",
            "find_generators", "generator_states", "load_generator_states", "deferred_interrupts", "RESULTS"]
 
 RESULTS = "results.json"
+LOCK = ".lock"  # held (flock) by the process writing the folder: run_lock
 CHECKPOINT = "checkpoint.pt"
 
 
@@ -57,6 +58,10 @@ class RunExistsError(ValueError):
 
 class RunNotFoundError(ValueError):
     """A folder given to resume holds no run (no ``results.json``)."""
+
+
+class RunInUseError(RunExistsError):
+    """Another process holds the folder's lock (:func:`run_lock`)."""
 
 
 class RunFileError(ValueError):
@@ -318,6 +323,66 @@ def _point_latest(root: Path, name: str) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         _atomic_write(latest, lambda p: p.write_text(name + "\n"))
+
+
+@contextlib.contextmanager
+def hold_lock(lock_file: str | Path, option: str = "--out", folder: str | Path | None = None) -> Iterator[None]:
+    """Hold ``lock_file`` exclusively while the block runs, so that two processes never write one run
+    (``folder``: the run it guards, for the message; default the lock file's folder).
+
+    An advisory ``fcntl.flock`` on the file, taken without waiting: the operating system releases it when the
+    holder exits, also on a crash or ``kill -9``, so a stale file never blocks a later run. The file keeps the
+    holder's pid, host and start time for the refusal's message. Only the main process of a ``torch.distributed``
+    run takes it (the others write nothing); where ``fcntl`` is missing (Windows) nothing is locked.
+
+    Raises:
+        RunInUseError: another process holds it (one line naming ``option``, the holder and what to do).
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        fcntl = None
+    if fcntl is None or not is_main_process():
+        yield
+        return
+    path = Path(lock_file)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a+")
+    try:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "a process"
+            raise RunInUseError(f"{option}: {folder or path.parent} is being written by another run ({holder}); wait for it to "
+                                f"end, or choose another {option}") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {os.uname().nodename if hasattr(os, 'uname') else '?'}, since "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.flush()
+        yield
+    finally:
+        f.close()  # releases the lock
+
+
+@contextlib.contextmanager
+def run_lock(path: str | Path, option: str = "--out") -> Iterator[None]:
+    """:func:`hold_lock` on ``<path>/.lock`` for a run folder (``option``: the flag that named it, for the message).
+    A folder this call created is removed again if the run left nothing in it but the lock (bad input leaves no
+    folder behind)."""
+    p = Path(path)
+    if is_main_process():
+        check_writable(p, option)  # a file, no permission: its own one-line refusal, before anything is created
+    created = not p.exists()
+    try:
+        with hold_lock(p / LOCK, option):
+            yield
+    finally:
+        if created and p.is_dir() and [q.name for q in p.iterdir()] == [LOCK]:
+            with contextlib.suppress(OSError):
+                (p / LOCK).unlink()
+                p.rmdir()
 
 
 def check_out_dir(path: str | Path, *, overwrite: bool = False) -> None:
