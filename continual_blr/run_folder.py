@@ -332,7 +332,8 @@ def hold_lock(lock_file: str | Path, option: str = "--out", folder: str | Path |
 
     An advisory ``fcntl.flock`` on the file, taken without waiting: the operating system releases it when the
     holder exits, also on a crash or ``kill -9``, so a stale file never blocks a later run. The file keeps the
-    holder's pid, host and start time for the refusal's message. Only the main process of a ``torch.distributed``
+    holder's pid, host and start time for the refusal's message; it is removed (still locked) when the block ends,
+    and a process that locked a file already removed opens the new one instead. Only the main process of a ``torch.distributed``
     run takes it (the others write nothing); where ``fcntl`` is missing (Windows) nothing is locked.
 
     Raises:
@@ -347,15 +348,25 @@ def hold_lock(lock_file: str | Path, option: str = "--out", folder: str | Path |
         return
     path = Path(lock_file)
     path.parent.mkdir(parents=True, exist_ok=True)
-    f = open(path, "a+")
-    try:
+    while True:
+        f = open(path, "a+")
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             f.seek(0)
             holder = f.read().strip() or "a process"
-            raise RunInUseError(f"{option}: {folder or path.parent} is being written by another run ({holder}); wait for it to "
-                                f"end, or choose another {option}") from None
+            f.close()
+            raise RunInUseError(f"{option}: {folder or path.parent} is being written by another run ({holder}); wait "
+                                f"for it to end, or choose another {option}") from None
+        # the holder before us removes the file as it releases it: locked a file no longer at `path`? open it anew
+        try:
+            same = os.path.samestat(os.fstat(f.fileno()), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        f.close()
+    try:
         f.seek(0)
         f.truncate()
         f.write(f"pid {os.getpid()} on {os.uname().nodename if hasattr(os, 'uname') else '?'}, since "
@@ -363,6 +374,8 @@ def hold_lock(lock_file: str | Path, option: str = "--out", folder: str | Path |
         f.flush()
         yield
     finally:
+        with contextlib.suppress(OSError):
+            path.unlink()  # while still held, so the folder keeps no trace of a finished run
         f.close()  # releases the lock
 
 
@@ -379,9 +392,8 @@ def run_lock(path: str | Path, option: str = "--out") -> Iterator[None]:
         with hold_lock(p / LOCK, option):
             yield
     finally:
-        if created and p.is_dir() and [q.name for q in p.iterdir()] == [LOCK]:
+        if created and p.is_dir() and not any(p.iterdir()):
             with contextlib.suppress(OSError):
-                (p / LOCK).unlink()
                 p.rmdir()
 
 

@@ -51,8 +51,10 @@ def test_a_second_process_is_refused_and_the_lock_dies_with_its_holder(tmp_path)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    with hold_lock(lock_file):  # the killed holder left the file behind; it no longer blocks
+    assert lock_file.exists()  # the killed holder left the file behind ...
+    with hold_lock(lock_file):  # ... and it no longer blocks
         assert lock_file.read_text().startswith(f"pid {os.getpid()} ")
+    assert not lock_file.exists()
 
 
 def test_the_cli_refuses_to_overwrite_or_resume_a_run_being_written(tmp_path, capsys):
@@ -73,6 +75,7 @@ def test_the_cli_refuses_to_overwrite_or_resume_a_run_being_written(tmp_path, ca
             assert len(err) == 1 or "has finished" in err[0]  # --resume first notes that the run had finished
             assert (out / "results.json").read_bytes() == before
     assert main(["run", str(p), "--out", str(out), "--overwrite", "--no-progress"]) == 0  # released: runs again
+    assert not (out / LOCK).exists()  # a finished run leaves no lock file
 
 
 def test_a_folder_the_lock_created_is_removed_if_the_run_wrote_nothing(tmp_path):
