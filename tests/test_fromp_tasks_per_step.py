@@ -136,3 +136,75 @@ def test_every_fromp_type_method_takes_it():
         m = build_method(name, {"tasks_per_step": 2})
         assert m.regularizer.tasks_per_step == 2
         assert m.regularizer.generator is m.generator  # drawn from the method's stream: saved with a checkpoint
+
+
+# ------------------------------------------------------------------------------------- task_estimator: saga
+
+
+def _saga_grad(reg, model, task, subset, state):
+    """The gradient and value of the SAGA term for ``subset`` from the table ``state`` (restored afterwards)."""
+    import copy
+
+    saved = reg._saga
+    reg._saga = copy.deepcopy(state)
+    model.zero_grad()
+    out = reg._saga_penalty(model, Batch(task.x_train[:2], task.y_train[:2], task.head), task, None, None, subset)
+    out.backward()
+    g = flatten({n: torch.zeros_like(p) if p.grad is None else p.grad.clone() for n, p in model.named_parameters()})
+    reg._saga = saved
+    return out.detach(), g
+
+
+def _stale_table(reg, model, task):
+    """A table of per-task gradients taken at other weights: three SAGA draws with the weights moved between them."""
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        reg.penalty(model, Batch(task.x_train[:2], task.y_train[:2], task.head), task)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=DT))
+    assert len(reg._saga[1]) >= 2  # some tasks hold a stale gradient, maybe not all
+    return reg._saga
+
+
+@pytest.mark.parametrize("scenario", ["task", "class"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_saga_is_unbiased_from_any_table_and_its_value_is_the_plain_estimate(scenario, k):
+    """E_S[v] = ∇R(θ) exactly (average over the C(n, k) subsets, float64), from a table of gradients taken at other
+    weights; the returned value is the plain estimate (n / k) Σ_S R_s."""
+    reg, model, task = _regulariser_with_past(scenario, k)
+    reg.task_estimator = "saga"
+    state = _stale_table(reg, model, task)
+    full_v, full_g = _value_and_grad(reg, model, task, None)
+    subsets = [list(s) for s in itertools.combinations(range(len(reg.memory)), k)]
+    results = [_saga_grad(reg, model, task, s, state) for s in subsets]
+    torch.testing.assert_close(torch.stack([g for _, g in results]).mean(0), full_g, **EXACT)
+    for s, (value, _) in zip(subsets, results):
+        torch.testing.assert_close(value, _value_and_grad(reg, model, task, s)[0], **EXACT)
+    # and the table matters: one draw's v differs from the plain estimate's gradient for the same subset
+    assert not torch.allclose(results[0][1], _value_and_grad(reg, model, task, subsets[0])[1], rtol=1e-6, atol=0.0)
+
+
+def test_saga_starts_each_task_from_a_zero_table():
+    """After a rebuild (a task start, Δp = 0) the table is empty: the first draw's v is the plain estimate's
+    gradient (n / k) ∇R_S, exactly."""
+    reg, model, task = _regulariser_with_past("task", 1)
+    reg.task_estimator = "saga"
+    _stale_table(reg, model, task)
+    reg.rebuild(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1)
+    _, plain = _value_and_grad(reg, model, task, [2])
+    _, first = _saga_grad(reg, model, task, [2], reg._saga)
+    torch.testing.assert_close(first, plain, **EXACT)
+
+
+def test_saga_refuses_a_params_closure_and_a_bad_name():
+    reg, model, task = _regulariser_with_past("task", 1)
+    reg.task_estimator = "saga"
+    params = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="task_estimator: 'saga' needs the model's own parameters"):
+        reg.penalty(model, Batch(task.x_train[:2], task.y_train[:2], task.head), task, params=params)
+    with pytest.raises(MethodParamsError, match="task_estimator"):
+        build_method("fromp", {"task_estimator": "sag"})

@@ -34,7 +34,14 @@ from torch import Tensor, nn
 
 from ..data.stream import Task, TaskStream
 from ..memory import SELECTIONS, SENSITIVITY_SELECTIONS
-from ..regularizers.functional import CLASS_CHOICES, FORWARD_PRECISIONS, KERNELS, OUTPUTS, FunctionalRegularizer
+from ..regularizers.functional import (
+    CLASS_CHOICES,
+    FORWARD_PRECISIONS,
+    KERNELS,
+    OUTPUTS,
+    TASK_ESTIMATORS,
+    FunctionalRegularizer,
+)
 from ..types import Batch
 from .base import Method, TrainConfig, mean_nll
 
@@ -131,6 +138,8 @@ class FunctionalParams:
         tasks_per_step: k — each step's penalty is the unbiased estimate (n / k) Σ over k of the n stored past
             tasks, drawn from the method's generator (k·M memorable points through the network per step instead of
             n·M; :mod:`continual_blr.regularizers.functional`); 0 (default, the paper): every stored task.
+        task_estimator: with ``tasks_per_step`` — ``"unbiased"`` (default) | ``"saga"`` (the same expectation, a
+            table of each task's last penalty gradient lowering its variance; the loop's optimisers only).
     """
 
     tau: float = 10.0
@@ -145,6 +154,7 @@ class FunctionalParams:
     drop_below: float = 0.0
     forward_precision: str = "fp32"
     tasks_per_step: int = 0
+    task_estimator: str = "unbiased"
 
     def __post_init__(self) -> None:
         """One-line ``ValueError`` naming the field and what is allowed."""
@@ -174,6 +184,9 @@ class FunctionalParams:
                 or self.tasks_per_step < 0:
             raise ValueError(f"params.tasks_per_step: must be an integer >= 0 (0: every stored task), got "
                              f"{self.tasks_per_step!r}")
+        if self.task_estimator not in TASK_ESTIMATORS:
+            raise ValueError(f"params.task_estimator: got {self.task_estimator!r}; allowed: "
+                             f"{', '.join(map(repr, TASK_ESTIMATORS))}")
         for name in ("jitter_relative", "drop_below"):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
