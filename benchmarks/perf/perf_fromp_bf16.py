@@ -11,7 +11,8 @@ random images):
 (FROMP's CIFAR protocol at task 5; memory from random images: speed does not depend on the data). Timed, interleaved
 round by round, by CPU time: one ``loop.train_step`` of ``none``, of ``fromp`` (penalty in fp32, the default) and of
 ``fromp`` with ``forward_precision: train`` (the memorable points' forward and backward in bf16), the latter also with
-``tasks_per_step`` 1 and 2 (the penalty's unbiased estimate over that many of the four past tasks, drawn per step).
+``tasks_per_step`` 1 and 2 (the penalty's unbiased estimate over that many of the four past tasks, drawn per step)
+and with ``tasks_per_step`` 1 under ``task_estimator: saga``.
 An epoch is 39 such steps, so step ratios are epoch ratios. The floor: every step also passes the 800 memorable
 points, (256 + 800) / 256 = 4.1 × the plain step's rows (k past tasks per step: (256 + 200 k) / 256).
 
@@ -78,7 +79,10 @@ def cost(steps: int) -> dict[str, float]:
                "fromp (forward_precision: train, tasks_per_step 1)": build_method(
                    "fromp", FROMP | {"forward_precision": "train", "tasks_per_step": 1}, seed=0),
                "fromp (forward_precision: train, tasks_per_step 2)": build_method(
-                   "fromp", FROMP | {"forward_precision": "train", "tasks_per_step": 2}, seed=0)}
+                   "fromp", FROMP | {"forward_precision": "train", "tasks_per_step": 2}, seed=0),
+               "fromp (forward_precision: train, tasks_per_step 1, task_estimator saga)": build_method(
+                   "fromp", FROMP | {"forward_precision": "train", "tasks_per_step": 1, "task_estimator": "saga"},
+                   seed=0)}
     for m in methods.values():
         m.setup(model, stream, train)
     for name, m in methods.items():
