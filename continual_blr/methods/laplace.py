@@ -88,8 +88,8 @@ class LaplaceParams:
     Attributes:
         structure: ``"diag"``, ``"kron"`` (K-FAC) or ``"full"`` (small models / last layer).
         prior_precision: δ of the first prior N(0, δ⁻¹ I).
-        temperature: T; the carried precision adds C_t / T (T < 1: a colder, stronger prior). None: the default
-            of the stream's head layout, :meth:`temperature_for` (resolved at ``setup``).
+        temperature: T; the carried precision adds C_t / T (T < 1: a colder, stronger prior; None, the default: T
+            0.01, or 0.002 on a single-head class-incremental stream, resolved at ``setup`` by :meth:`temperature_for`).
         curvature: ``"ggn"`` (default), ``"empirical_fisher"`` or ``"mc_fisher"``.
         subset: ``"all"`` parameters or the ``"last_layer"``.
         predictive: ``"map"`` (the network's softmax) or ``"glm"`` (linearised, probit; module docstring).
