@@ -110,3 +110,25 @@ def test_reproduce_work_dir_runs_are_locked(tmp_path):
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+
+
+def test_a_lock_on_a_file_removed_meanwhile_is_taken_again_on_the_new_file(tmp_path, monkeypatch):
+    """The race the removal at release opens: a process opens the lock file, the holder removes it and releases,
+    the process then locks the removed file. ``hold_lock`` must notice (inode check) and lock the file at the path,
+    else two runs could each hold "the" lock. Simulated: the first flock call removes the file it just locked."""
+    import fcntl
+
+    lock_file = tmp_path / "run" / LOCK
+    real, calls = fcntl.flock, []
+
+    def flock_then_vanish(fd, op):
+        real(fd, op)
+        calls.append(op)
+        if len(calls) == 1 and op & fcntl.LOCK_EX:
+            lock_file.unlink()  # the previous holder's release, between our open and our lock
+
+    monkeypatch.setattr(fcntl, "flock", flock_then_vanish)
+    with hold_lock(lock_file):
+        assert lock_file.exists()  # we hold the file that is at the path, not the removed one
+        assert lock_file.read_text().startswith(f"pid {os.getpid()} ")
+    assert len([c for c in calls if c & fcntl.LOCK_EX]) == 2

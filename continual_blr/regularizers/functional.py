@@ -768,6 +768,7 @@ class FunctionalRegularizer:
                     rhs = rhs * mask
                 z = torch.linalg.solve_triangular(chol, rhs, upper=False)
                 total = total + (z * z).sum()
+        # every task: the same expression as before the option existed, so its records stay bit-identical
         return 0.5 * self.tau * total if scale == 1.0 else (0.5 * self.tau * scale) * total
 
     # ------------------------------------------------------------------------------ state_dict
