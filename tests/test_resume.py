@@ -229,6 +229,17 @@ def test_every_method_resumes_exactly(method, name, calls, tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("name, calls", [("fit_task", 2), ("train_step", 8 + 3)], ids=["boundary", "mid-task"])
+def test_the_kfac_carry_resumes_exactly(name, calls, tmp_path, monkeypatch):
+    """The BLR with ``carry: kfac`` interrupted at / inside its 2nd task and resumed equals the uninterrupted run:
+    the checkpoint carries the Kronecker prior, and the load reinstalls its diagonal and coupling. Planted, a load
+    that ignores the saved Kronecker prior (the diagonal prior alone, no coupling) fails both cases."""
+    method = "{name: blr, params: {carry: kfac, temperature: 0.1}}"
+    ref, out = _run_interrupt_resume(tmp_path, monkeypatch, method, name, calls)
+    _same(_load(ref / "blr" / "model.pt"), _load(out / "blr" / "model.pt"), "model")
+    _same(_load(ref / "blr" / "method.pt"), _load(out / "blr" / "method.pt"), "method")
+
+
+@pytest.mark.parametrize("name, calls", [("fit_task", 2), ("train_step", 8 + 3)], ids=["boundary", "mid-task"])
 def test_the_pooled_weight_noise_resumes_exactly(name, calls, tmp_path, monkeypatch):
     """The BLR with ``noise: pooled`` (the pool redrawn every 3 steps, so redraws fall on both sides of the
     interruption) interrupted at / inside its 2nd task and resumed equals the uninterrupted run: the checkpoint

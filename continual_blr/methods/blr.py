@@ -26,7 +26,7 @@ from .base import Method, TrainConfig
 
 __all__ = ["BLRParams", "BLRMethod", "CARRIES", "TASK_START_MEANS", "redraw_layers"]
 
-CARRIES = ("average", "ggn")
+CARRIES = ("average", "ggn", "kfac")
 TASK_START_MEANS = ("carry", "reinit")
 
 
@@ -78,7 +78,18 @@ class BLRParams:
             delta-method estimate of λ E_q[H] that a GGN-BLR's D̄ averages, with no sampling noise. With the
             one-sample Price estimate, D̄'s noise, clamped at 0 and divided by T, becomes precision that no
             data asked for; ``"ggn"`` replaces it by one pass over (a subset of) the data. Diagonal structure.
-        carry_examples: n, the examples of the ``"ggn"`` carry (None: all of the task's training data).
+            ``"kfac"``: a **Kronecker-factored carried prior** under a diagonal step. The prior becomes
+            S̃₀⁽ᵗ⁺¹⁾ = S̃₀⁽ᵗ⁾ + (λ/n) C_t / T with C_t the K-FAC GGN of the task's examples at the mean, per
+            Linear / Conv2d layer A ⊗ G (A = mean ããᵀ, G = Σ_i Σ_c g_ic g_icᵀ; Martens & Grosse 2015; Ritter et
+            al. 2018's online Laplace term), kept term by term (:class:`~continual_blr.posteriors.KronPosterior`),
+            m₀ = m. Task t + 1 then runs the BLR of a mean-field q under that prior
+            (``BayesianLearningRule.set_prior``'s ``coupling``): the mean's direction is ĝ + S̃₀(m − m₀), the
+            precision and the weight samples diag(S̃₀) + D. What the diagonal carry loses — the correlations
+            within a layer that let one task's weights move along directions another task does not use — is
+            kept; the step's cost grows by one S̃₀ v per step (K Kronecker products per layer after K tasks).
+            Diagonal structure.
+        carry_examples: n, the examples of the ``"ggn"`` / ``"kfac"`` carry (None: all of the task's training
+            data).
         curvature_every: k: estimate ĥ on every k-th step only (diagonal structure, not ``"price"``), D updated
             there at the rate 1 − (1 − ρ)ᵏ; the other steps cost a forward and backward
             (``BayesianLearningRule(curvature_every=k)``; the fixed point is unchanged).
@@ -132,8 +143,8 @@ class BLRParams:
             raise ValueError(f"params.noise_refresh: must be an integer >= 1, got {self.noise_refresh!r}")
         if self.carry not in CARRIES:
             raise ValueError(f"params.carry: got {self.carry!r}; allowed: {', '.join(map(repr, CARRIES))}")
-        if self.carry == "ggn" and s != Structure.DIAG:
-            raise ValueError("params.carry: 'ggn' needs structure 'diag'")
+        if self.carry in ("ggn", "kfac") and s != Structure.DIAG:
+            raise ValueError(f"params.carry: {self.carry!r} needs structure 'diag'")
         if self.carry_examples is not None and not (isinstance(self.carry_examples, int) and self.carry_examples >= 1):
             raise ValueError(f"params.carry_examples: must be an integer >= 1 or null, got {self.carry_examples!r}")
         if self.curvature not in CURVATURES or self.curvature == "hessian":
@@ -177,6 +188,7 @@ class BLRMethod(Method):
         super().__init__(seed)
         self.params = params or BLRParams()
         self.optimizer: BayesianLearningRule | None = None
+        self.kron_prior: KronPosterior | None = None  # the structured carried prior of ``carry: kfac``
         self.tasks_done = 0  # tasks whose posterior became the prior (on_task_end); saved with the method's state
 
     def _initial(self, model: nn.Module, precision: float) -> GaussianPosterior:
@@ -195,6 +207,10 @@ class BLRMethod(Method):
             debias=p.precision_debias, damping=p.damping, init_hess=p.init_hess, fused=p.fused_step,
             curvature_every=p.curvature_every, noise=p.noise, noise_refresh=p.noise_refresh,
         )
+        if p.carry == "kfac":  # task 1's prior N(0, δ⁻¹ I) in Kronecker form (no terms: no coupling yet)
+            names = list(self.optimizer.names)
+            zeros = {k: torch.zeros_like(v) for k, v in prior.mean.items()}
+            self.kron_prior = KronPosterior.isotropic(zeros, p.prior_precision, kron_layers(model, names))
 
     def make_optimizer(self, model: nn.Module, task: Task, train: TrainConfig) -> torch.optim.Optimizer:
         assert self.optimizer is not None, "setup() must run first"
@@ -218,6 +234,9 @@ class BLRMethod(Method):
         self.tasks_done += 1
         if self.params.carry == "ggn":
             self.optimizer.set_prior(self.ggn_carry(model, task))
+        elif self.params.carry == "kfac":
+            self.kron_prior = self.kfac_carry(model, task)
+            self._install_kron_prior()
         else:
             self.optimizer.set_prior(self.optimizer.posterior(temperature=self.params.temperature))
 
@@ -243,6 +262,44 @@ class BLRMethod(Method):
         scale = self.params.ess_factor * n / x.shape[0] / self.params.temperature
         mean = {k: p.detach().clone() for k, p in model.named_parameters() if k in prior.mean}
         return DiagPosterior(mean, {k: prior.precision[k] + scale * c[k] for k in prior.mean})  # type: ignore[index]
+
+    def kfac_carry(self, model: nn.Module, task: Task) -> KronPosterior:
+        """N(m, S̃₀ + (λ/n) C / T): the Kronecker carried prior with this task's K-FAC GGN C (``params.carry``) of n
+        examples (all, or ``carry_examples`` drawn with the method's generator) at the mean m, λ = ess_factor·N_t,
+        Λ_i the method's likelihood (as :meth:`ggn_carry`). Layers the old prior did not hold (new heads) start
+        from its δ."""
+        assert self.optimizer is not None and self.kron_prior is not None
+        old = self.kron_prior
+        names = list(self.optimizer.names)
+        x, y = task.x_train, task.y_train
+        n = task.n_train
+        k = self.params.carry_examples
+        if k is not None and k < n:
+            idx = torch.randperm(n, generator=self.generator)[:k].to(x.device)
+            x, y = x[idx], y[idx]
+        c = curvature_of(model, x, y, kind="ggn", structure="kron", likelihood=self.likelihood, sigma=self.sigma,
+                         head=task.head, param_names=names)
+        scale = self.params.ess_factor * n / x.shape[0] / self.params.temperature
+        mean = {k: p.detach().clone() for k, p in model.named_parameters() if k in names}
+        terms = {w: t for w, _, t in old.blocks}
+        blocks = [(w, b, terms.get(w, [])) for w, b in kron_layers(model, names)]
+        in_blocks = {w for w, _, _ in blocks} | {b for _, b, _ in blocks if b is not None}
+        diag = {k: old.diag[k] if k in old.diag else torch.zeros_like(mean[k]) for k in names if k not in in_blocks}
+        return KronPosterior(mean, blocks, diag, old.delta).add_precision(c, scale)
+
+    def _install_kron_prior(self) -> None:
+        """The optimiser's prior becomes the Kronecker prior's diagonal, N(m₀, diag(S̃₀)⁻¹), with the coupling
+        v ↦ (S̃₀ − diag(S̃₀)) v (``BayesianLearningRule.set_prior``); nothing to couple while it has no terms."""
+        assert self.optimizer is not None and self.kron_prior is not None
+        prior = self.kron_prior
+        diag = prior.precision_diag()
+        coupled = any(terms for _, _, terms in prior.blocks)
+
+        def coupling(v: dict[str, Tensor]) -> dict[str, Tensor]:
+            full = prior.precision_matvec({k: v[k] for k in prior.mean})
+            return {k: full[k] - diag[k] * v[k] for k in full}
+
+        self.optimizer.set_prior(DiagPosterior(dict(prior.mean), diag), coupling if coupled else None)
 
     def epoch_stats(self) -> dict[str, float]:
         """``clipped_fraction``: the share of coordinate-steps the clip bounded in the epoch (with a clip only).
@@ -275,12 +332,17 @@ class BLRMethod(Method):
         if self.optimizer is not None:
             state["posterior"] = self.optimizer.posterior().state_dict()
         state["tasks_done"] = self.tasks_done
+        if self.kron_prior is not None:
+            state["kron_prior"] = self.kron_prior.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if self.optimizer is not None and "posterior" in state:
             self.optimizer.set_prior(load_posterior(state["posterior"]))
+        if self.optimizer is not None and "kron_prior" in state:
+            self.kron_prior = KronPosterior.from_state_dict(state["kron_prior"])
+            self._install_kron_prior()
         # states saved before the count existed were saved at a task's end, after at least one task
         self.tasks_done = int(state.get("tasks_done", 1 if "posterior" in state else 0))
 

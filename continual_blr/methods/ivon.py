@@ -61,9 +61,10 @@ class IVONParams:
         mc_samples: weight samples per step.
         predict_samples: MC samples at prediction (0: the mean network).
         fused_step: the update as one compiled loop (BLRParams.fused_step).
-        carry: the next prior's data part: ``"average"`` (the Price estimates' average D̄) or ``"ggn"`` (the
-            diagonal GGN of the task's data at the mean; ``BLRParams.carry``).
-        carry_examples: examples of the ``"ggn"`` carry (None: all of the task's).
+        carry: the next prior's data part: ``"average"`` (the Price estimates' average D̄), ``"ggn"`` (the
+            diagonal GGN of the task's data at the mean) or ``"kfac"`` (a Kronecker-factored carried prior from
+            the task's K-FAC GGN at the mean; ``BLRParams.carry``).
+        carry_examples: examples of the ``"ggn"`` / ``"kfac"`` carry (None: all of the task's).
         noise, noise_refresh: the weight samples' ε, ``"gaussian"`` or ``"pooled"`` (``BLRParams.noise``).
     """
 

@@ -113,7 +113,7 @@ the ranks still apply the same reduced update, so their posteriors stay identica
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -130,7 +130,9 @@ from .parallel import DataParallelStep
 from .precision import (add_curv, assemble_posterior, blr_data_update, blr_mean_update, data_like, data_part,
                         first_bad, scale_curv)
 
-__all__ = ["BayesianLearningRule", "BatchClosure", "VON", "VOGN", "blr_data_update", "blr_mean_update",
+Coupling = Callable[[ParamDict], ParamDict]  # v ↦ R v, the off-diagonal part of a structured prior (set_prior)
+
+__all__ = ["BayesianLearningRule", "Coupling", "BatchClosure", "VON", "VOGN", "blr_data_update", "blr_mean_update",
            "diag_update", "assemble_posterior", "data_part", "CURVATURES", "ENGINE_CURVATURES"]
 
 
@@ -297,6 +299,7 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
         self._clip_count: Tensor | int | None = None
         self._clip_total = 0
         self._parallel = DataParallelStep()  # per-step data-parallel scales (rank_samples lives there)
+        self.prior_coupling: Coupling | None = None  # R = S₀ − diag(S₀) of a structured prior (set_prior)
 
     def rebuild(self, model: nn.Module, prior: GaussianPosterior, init_precision: GaussianPosterior) -> None:
         """Re-initialise this optimiser in place over ``prior``'s parameters (e.g. with new heads added),
@@ -309,6 +312,7 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
         kron_iters = self.kron_iters
         parallel = self._parallel
         pool = self._pool
+        coupling = self.prior_coupling
         BayesianLearningRule.__init__(
             self, model, prior, n_data=self.n_data, lr=group["lr"], rho=group["rho"], beta1=group["beta1"],
             mc_samples=self.mc_samples, curvature=self.curvature, init_precision=init_precision,
@@ -319,6 +323,7 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
         self.kron_iters = kron_iters
         self._parallel = parallel
         self._pool = pool  # the noise stream goes on
+        self.prior_coupling = coupling  # parameters it does not name get no coupling (new heads)
 
     # ----- accessors ---------------------------------------------------------------------------
     def _params(self) -> dict[str, nn.Parameter]:
@@ -362,14 +367,26 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
             return {k: v.clamp_min(0) for k, v in avg.items()}
         return avg
 
-    def set_prior(self, prior: GaussianPosterior) -> None:
+    def set_prior(self, prior: GaussianPosterior, coupling: Coupling | None = None) -> None:
         """Make ``prior`` the prior (e.g. the posterior of the task just finished).
 
         The data part restarts: at N h₀ I on the next step when ``init_hess`` is set, else at D = 0 (the
         posterior starts at the new prior, which for a finished task is its posterior: a warm start).
+
+        ``coupling`` (diagonal structure only): v ↦ R v with R = S̃₀ − diag(S̃₀), the off-diagonal part of a
+        structured prior precision S̃₀ whose diagonal is ``prior``'s (e.g. a Kronecker-factored one,
+        :meth:`~continual_blr.posteriors.KronPosterior.precision_diag`). The step is then the BLR of a mean-field
+        q under the prior N(m₀, S̃₀⁻¹) (Khan & Rue 2023, eq. 12 with E_q[∇(−log p)] = S̃₀(m − m₀) and the
+        diagonal of E_q[∇²(−log p)] = diag(S̃₀)): the mean's direction gains R(m − m₀), taken at the mean (exact,
+        no sampling noise), while the precision and the weight samples keep diag(S̃₀) + D. For a quadratic loss
+        the fixed point's mean is the exact posterior mean under S̃₀ (``tests/test_blr_structured_prior.py``).
+        The coupling may name a subset of the parameters (the others get none); None: no coupling.
         """
         if set(prior.mean) != set(self.names) or prior.structure != self.prior.structure:
             raise ValueError("set_prior: the new prior must cover the same parameters in the same structure")
+        if coupling is not None and prior.structure != Structure.DIAG:
+            raise ValueError(f"set_prior: a coupling is for a diagonal prior, got {prior.structure.value!r}")
+        self.prior_coupling = coupling
         self.prior = prior
         self._data = data_like(prior, 0.0)
         self._avg = None

@@ -44,6 +44,7 @@ class DiagStepMixin:
     _clip_count: Tensor | int | None
     _clip_total: int
     _pool: PooledNoise | None
+    prior_coupling: Callable | None
     _flat_weights: FlatWeights | None = None
     prior: Any
     names: list[str]
@@ -88,7 +89,7 @@ class DiagStepMixin:
         # anything fails before).
         module = (price and n_mc == 1 and self.module_step and self._covers_all and not self._parallel.active
                   and type(closure) is BatchClosure and closure.penalty is None and closure.model is self.model)
-        if module and self.fused:  # on CPU with a C compiler: the native loop, in place (native.py)
+        if module and self.fused and self.prior_coupling is None:  # on CPU with a C compiler: the native loop (native.py)
             kernel = native_update(mean_list[0].dtype, mean_list[0].device, positivity=True, h_from_sample=True,
                                    momentum=beta1 > 0, clip=self.clip_radius is not None, damping=self.damping > 0,
                                    fresh=fresh, separate=flat.avg is not None)
@@ -167,6 +168,8 @@ class DiagStepMixin:
             g_sum.div_(n_mc)
             if h_sum is not None:
                 h_sum.div_(n_mc)
+        if self.prior_coupling is not None:  # a structured prior's off-diagonal pull R(m − m₀), at the mean (set_prior)
+            g_sum = g_sum + self._coupling_term(flat, mean)
         h_from_sample = price and n_mc == 1 and not self._parallel.active
         t, use_mom, scalars = self._step_scalars(flat, lr, rho, beta1, fresh)
         update = fused_diag_update() if self.fused else diag_update
@@ -199,6 +202,12 @@ class DiagStepMixin:
             self._count_clipped(n_clip, mean.numel())
         _write(mean_list, flat, new_mean)
         return loss_sum / n_mc  # type: ignore[return-value]
+
+    def _coupling_term(self, flat: FlatDiagState, mean: Tensor) -> Tensor:
+        """R(m − m₀) as one flat vector (zero on the parameters the coupling does not name)."""
+        pulled = self.prior_coupling(flat.views(mean - flat.m0))  # type: ignore[misc]
+        return torch.cat([pulled[k].reshape(-1) if k in pulled else torch.zeros(n, dtype=mean.dtype, device=mean.device)
+                          for k, n in zip(flat.names, flat.numels)])
 
     def _module_backward(self, closure: BatchClosure, grads: list[Tensor]) -> Tensor:
         """The module path's forward at the weights the model holds and one backward of (N/B) Σ_i ℓ_i into

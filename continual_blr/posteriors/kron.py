@@ -328,6 +328,26 @@ class KronPosterior(GaussianPosterior):
             out[k] = randn_like(s, generator, n) * (s + self.delta).rsqrt()
         return out
 
+    def precision_diag(self) -> ParamDict:
+        """diag(S), exact for any number of terms: Σ_k diag(G_k)[o] · diag(A_k)[j] + δ at Θ[o, j] per block,
+        ``diag + δ`` elsewhere (the diagonal of G ⊗ A on the row-major vec(Θ) is diag(G) ⊗ diag(A)).
+
+        It is the precision of the mean-field Gaussian nearest to this one in KL(q ‖ p) over diagonal q: the
+        diagonal BLR step's prior part when this posterior is the prior (``BLRParams.carry = "kfac"``).
+        """
+        out: ParamDict = {}
+        for w, b, terms in self.blocks:
+            ref = self.mean[w]
+            d_out = ref.shape[0]
+            d_in = ref[0].numel() + (b is not None)
+            diag = torch.full((d_out, d_in), self.delta, dtype=ref.dtype, device=ref.device)
+            for a, g in terms:
+                diag = diag + torch.outer(torch.diagonal(g), torch.diagonal(a))
+            self._split_theta(diag, w, b, out)
+        for k, s in self.diag.items():
+            out[k] = s + self.delta
+        return out
+
     def covariance_diag(self) -> ParamDict:
         """diag(S⁻¹): Σ_{o', j'} U_G[o, o']² U_A[j, j']² / D[o', j'] per block. Needs at most one term per block.
 

@@ -1,0 +1,181 @@
+"""The BLR with a Kronecker-factored carried prior (``BLRParams.carry = "kfac"``) against exact oracles in float64.
+
+Oracles.
+
+* ``KronPosterior.precision_diag``: the diagonal of the dense precision ``to_dense`` builds term by term.
+* The coupled diagonal step (``BayesianLearningRule.set_prior(prior, coupling)``): for a quadratic loss (Bayesian
+  linear regression, Gaussian likelihood) under a prior N(m₀, S̃₀⁻¹) with a full Kronecker S̃₀, the mean-field BLR's
+  fixed point has the exact posterior mean (S̃₀ + H)⁻¹(S̃₀m₀ + Jᵀy/σ²) and the precision diag(S̃₀) + diag(H). The
+  delta method (no weight samples), ρ = 1 and full batches make the iteration deterministic, so the exact tier of
+  a converged linear solve applies (``SOLVE``).
+* The method's carry: for a linear model with one output and a Gaussian likelihood, K-FAC is exact (G is 1 × 1),
+  so with ess factor e and temperature T the carried precision after tasks 1..t is δI + (e/T) Σ_s X̃_sᵀX̃_s/σ² as a
+  full matrix, and with e = T = 1 the mean after task 2 is the batch posterior mean of all the data.
+
+Planted (once each): the coupling left out of ``_diag_update`` fails the step test and the method's mean test
+(the mean lands on the uncoupled solution, checked to be far from the exact one); ``precision_diag`` built from
+the first term only fails its test; the carry's scale without 1/T fails the carried-precision test.
+"""
+
+import pytest
+import torch
+
+from conftest import EXACT
+from continual_blr.data.synthetic import linear_regression_stream
+from continual_blr.loop import run_stream
+from continual_blr.methods import BLRParams, TrainConfig, build_method
+from continual_blr.models import MLP, build_model
+from continual_blr.optim.blr import BatchClosure, BayesianLearningRule
+from continual_blr.posteriors import DiagPosterior, KronPosterior
+from continual_blr.types import flatten
+
+DT = torch.float64
+SOLVE = dict(rtol=1e-8, atol=1e-10)  # a converged deterministic iteration on a well-conditioned linear system
+
+
+def _psd(n: int, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    a = torch.randn(n, n, generator=gen, dtype=DT)
+    return scale * (a @ a.T / n + 0.1 * torch.eye(n, dtype=DT))
+
+
+def test_precision_diag_is_the_diagonal_of_the_dense_precision(gen):
+    """Two blocks (with and without bias), three terms in one, a diagonal part elsewhere: every coordinate equals
+    the dense precision's diagonal, in ``flatten(mean)`` order."""
+    mean = {"a.weight": torch.randn(3, 4, generator=gen, dtype=DT), "a.bias": torch.randn(3, generator=gen, dtype=DT),
+            "b.weight": torch.randn(2, 3, generator=gen, dtype=DT), "scale": torch.randn(5, generator=gen, dtype=DT)}
+    blocks = [("a.weight", "a.bias", [(_psd(5, gen), _psd(3, gen)) for _ in range(3)]),
+              ("b.weight", None, [(_psd(3, gen), _psd(2, gen))])]
+    post = KronPosterior(mean, blocks, {"scale": torch.rand(5, generator=gen, dtype=DT)}, delta=0.7)
+    _, dense = post.to_dense()
+    torch.testing.assert_close(flatten(post.precision_diag()), torch.diagonal(dense), **EXACT)
+
+
+def _linear_problem(gen, n=120, d=3, outputs=2, sigma=0.5):
+    """x, y [n, outputs], σ, the model f(x) = Wx + b (float64), and the dense design: J_i [outputs, P] in the
+    model's flatten order [W.flatten(), b], so that H = Σ J_iᵀJ_i/σ², b = Σ J_iᵀy_i/σ²."""
+    mix = torch.eye(d, dtype=DT) + 0.6 * torch.randn(d, d, generator=gen, dtype=DT)
+    x = torch.randn(n, d, generator=gen, dtype=DT) @ mix
+    y = torch.randn(n, outputs, generator=gen, dtype=DT)
+    p = outputs * d + outputs
+    jac = torch.zeros(n, outputs, p, dtype=DT)
+    for o in range(outputs):
+        jac[:, o, o * d:(o + 1) * d] = x
+        jac[:, o, outputs * d + o] = 1.0
+    h = torch.einsum("nop,noq->pq", jac, jac) / sigma**2
+    rhs = torch.einsum("nop,no->p", jac, y) / sigma**2
+    return x, y, sigma, h, rhs
+
+
+def test_the_coupled_step_reaches_the_exact_posterior_mean_under_a_kronecker_prior(gen):
+    """Mean-field BLR (GGN, delta method, ρ = 1, full batches) under a Kronecker prior with two terms: the mean
+    converges to the exact posterior mean and the precision is diag(S̃₀) + diag(H); without the coupling the same
+    iteration converges elsewhere (by more than 100 × the tolerance)."""
+    x, y, sigma, h, rhs = _linear_problem(gen)
+    d, outputs, n = x.shape[1], y.shape[1], x.shape[0]
+    model = MLP(d, (), outputs, 1).to(DT)
+    m0 = {"heads.0.weight": torch.randn(outputs, d, generator=gen, dtype=DT),
+          "heads.0.bias": torch.randn(outputs, generator=gen, dtype=DT)}
+    terms = [(_psd(d + 1, gen, 30.0), _psd(outputs, gen)), (_psd(d + 1, gen, 10.0), _psd(outputs, gen))]
+    kron = KronPosterior(m0, [("heads.0.weight", "heads.0.bias", terms)], None, delta=2.0)
+    diag = kron.precision_diag()
+
+    def coupling(v):
+        full = kron.precision_matvec(v)
+        return {k: full[k] - diag[k] * v[k] for k in full}
+
+    _, s0 = kron.to_dense()
+    z0 = flatten(m0)
+    exact = torch.linalg.solve(s0 + h, s0 @ z0 + rhs)
+    uncoupled = torch.linalg.solve(torch.diag(torch.diagonal(s0)) + h, torch.diagonal(s0) * z0 + rhs)
+    assert float((exact - uncoupled).abs().max()) > 100 * 1e-6  # the coupling matters in this problem
+
+    closure = BatchClosure(model, x, y, head=0, likelihood="regression", sigma=sigma)
+    opt = BayesianLearningRule(model, DiagPosterior(m0, 1.0), n_data=n, lr=0.3, rho=1.0, mc_samples=0,
+                               curvature="ggn", debias=True)
+    opt.set_prior(DiagPosterior(m0, diag), coupling)
+    for _ in range(3000):
+        opt.step(closure)
+    post = opt.posterior()
+    torch.testing.assert_close(flatten(post.mean), exact, **SOLVE)
+    torch.testing.assert_close(flatten(post.precision), torch.diagonal(s0) + torch.diagonal(h), **EXACT)
+
+
+def test_a_coupling_needs_a_diagonal_prior(gen):
+    model = MLP(3, (), 2, 1).to(DT)
+    m0 = {k: torch.zeros_like(p) for k, p in model.named_parameters()}
+    kron = KronPosterior.isotropic(m0, 1.0, [("heads.0.weight", "heads.0.bias")])
+    opt = BayesianLearningRule(model, kron, n_data=10, curvature="ggn")
+    with pytest.raises(ValueError, match="coupling is for a diagonal prior"):
+        opt.set_prior(kron, lambda v: v)
+
+
+def test_kfac_carry_needs_the_diagonal_structure():
+    with pytest.raises(ValueError, match=r"^params.carry: 'kfac' needs structure 'diag'"):
+        BLRParams(carry="kfac", structure="kron")
+
+
+SIGMA, DELTA = 0.5, 3.0
+
+
+def _stream(n_train=150):
+    return linear_regression_stream(n_tasks=2, n_features=3, n_train=n_train, n_test=20, sigma=SIGMA,
+                                    input_shift=0.5, seed=3, scenario="domain", dtype=DT)
+
+
+def _design(task) -> torch.Tensor:
+    return torch.cat([task.x_train, torch.ones(task.n_train, 1, dtype=DT)], 1)
+
+
+def _run(params: dict, stream, epochs: int) -> tuple[list[torch.Tensor], list[torch.Tensor], object]:
+    """Full-batch run; (the carried Kronecker prior's dense precision, the mean) after each task's end."""
+    method = build_method("blr", params, seed=0)
+    method.use_likelihood("regression", SIGMA)
+    precs, means = [], []
+    original = method.on_task_end
+
+    def on_task_end(model, task, optimizer=None):
+        original(model, task, optimizer)
+        if method.kron_prior is not None:
+            precs.append(method.kron_prior.to_dense()[1].clone())
+        means.append(torch.cat([model.heads[0].weight.detach().reshape(-1), model.heads[0].bias.detach()]).clone())
+
+    method.on_task_end = on_task_end
+    model = build_model("linear", stream.input_shape, stream.n_outputs, stream.n_heads,
+                        generator=torch.Generator().manual_seed(0)).to(DT)
+    run_stream(model, stream, method, TrainConfig(epochs=epochs, batch_size=stream.tasks[0].n_train), progress=False)
+    return precs, means, method
+
+
+BASE = {"curvature": "ggn", "mc_samples": 0, "rho": 1.0, "lr": 0.3, "clip_radius": None, "beta1": 0.0,
+        "prior_precision": DELTA}
+
+
+@pytest.mark.parametrize("ess, temperature", [(1.0, 1.0), (2.0, 0.25)])
+def test_the_kfac_carry_is_the_exact_precision_of_bayesian_linear_regression(ess, temperature):
+    """After every task the carried precision is δI + (e/T) Σ_s X̃_sᵀX̃_s/σ², the full matrix (off-diagonals
+    included), to the exact tier; the optimiser's prior is its diagonal."""
+    stream = _stream()
+    precs, _, method = _run(BASE | {"carry": "kfac", "ess_factor": ess, "temperature": temperature}, stream, 5)
+    exact = DELTA * torch.eye(4, dtype=DT)
+    for t, task in enumerate(stream.tasks):
+        x = _design(task)
+        exact = exact + (ess / temperature) * x.T @ x / SIGMA**2
+        # to_dense's order is [w₁..w₃, b], the design's too
+        torch.testing.assert_close(precs[t], exact, **EXACT)
+    prior = method.optimizer.prior.precision
+    torch.testing.assert_close(torch.cat([prior["heads.0.weight"].reshape(-1), prior["heads.0.bias"]]),
+                               torch.diagonal(exact), **EXACT)
+
+
+def test_with_e_and_t_1_the_kfac_carry_gives_the_batch_posterior_mean():
+    """e = T = 1, the delta method, full batches: after task 2 the mean is the exact posterior mean of both tasks'
+    data under N(0, δ⁻¹I) (sequential Bayes is exact here: K-FAC is exact and the mean-field fixed point has the
+    exact mean); the diagonal carry of the same run lands elsewhere."""
+    stream = _stream()
+    _, means, _ = _run(BASE | {"carry": "kfac", "ess_factor": 1.0, "temperature": 1.0}, stream, 2000)
+    x = torch.cat([_design(t) for t in stream.tasks])
+    y = torch.cat([t.y_train for t in stream.tasks])
+    exact = torch.linalg.solve(DELTA * torch.eye(4, dtype=DT) + x.T @ x / SIGMA**2, x.T @ y / SIGMA**2)
+    torch.testing.assert_close(means[-1], exact, **SOLVE)
+    _, diag_means, _ = _run(BASE | {"carry": "average", "ess_factor": 1.0, "temperature": 1.0}, stream, 2000)
+    assert float((diag_means[-1] - exact).abs().max()) > 1e-3
