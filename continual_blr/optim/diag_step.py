@@ -169,6 +169,7 @@ class DiagStepMixin:
             if h_sum is not None:
                 h_sum.div_(n_mc)
         if self.prior_coupling is not None:  # a structured prior's off-diagonal pull R(m − m₀), at the mean (set_prior)
+            # not in place: the Price ĥ formed from the sample (h_sum may be g_sum's tensor) keeps the data gradient alone
             g_sum = g_sum + self._coupling_term(flat, mean)
         h_from_sample = price and n_mc == 1 and not self._parallel.active
         t, use_mom, scalars = self._step_scalars(flat, lr, rho, beta1, fresh)
