@@ -4,6 +4,7 @@ builder, this fails."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import sys
 from pathlib import Path
@@ -24,3 +25,21 @@ def test_end_to_end_perf_runs_use_the_validation_stream():
     for method in ("none", "fromp", "blr"):
         cfg = perf._split_mnist_config(method, None, True, "split_digits")
         assert cfg.stream.validation == 0.1, method
+
+
+def test_end_to_end_reports_go_to_an_explicit_out(tmp_path, monkeypatch):
+    """``perf_blr.py --end-to-end --out F`` (and perf_fromp's) writes F, not the default report, which may hold other
+    rows (the permuted-MNIST ivon table was nearly overwritten this way). Planted once: ``write_end_to_end`` ignoring
+    ``--out`` wrote the default file and this test failed."""
+    perf_fromp = _load("perf_fromp")
+    default_root = tmp_path / "root"
+    monkeypatch.setattr(perf_fromp, "ROOT", default_root)
+    out = tmp_path / "mine" / "table.md"
+    for script in ("blr", "fromp"):
+        args = argparse.Namespace(no_write=False, out=str(out), benchmark="permuted_mnist", quick=False)
+        perf_fromp.write_end_to_end(script, args, f"table of {script}")
+        assert out.read_text() == f"table of {script}"
+        assert not default_root.exists()
+    args = argparse.Namespace(no_write=False, out=None, benchmark="permuted_mnist", quick=True)
+    perf_fromp.write_end_to_end("blr", args, "default")
+    assert (default_root / "benchmarks/results/perf/perf_blr_end_to_end_permuted_mnist_quick.md").read_text() == "default"

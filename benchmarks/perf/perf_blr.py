@@ -214,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "perf" / "perf_blr.md"))
+    ap.add_argument("--out", default=None, help="the report file (default: benchmarks/results/perf/perf_blr.md; "
+                    "with --end-to-end perf_<script>_end_to_end_<benchmark>[_quick].md)")
     ap.add_argument("--no-write", action="store_true", help="print only")
     add_end_to_end_args(ap, "CPU time of a whole none / blr / blr fused_step run of --benchmark instead of step times",
                         "--end-to-end: the configs/ folder")
@@ -234,9 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     text = report(run(args.steps), args.steps, args.threads, command)
     print(text)
     if not args.no_write:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
-        print(f"wrote {args.out}")
+        out = Path(args.out or ROOT / "benchmarks" / "results" / "perf" / "perf_blr.md")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        print(f"wrote {out}")
     return 0
 
 

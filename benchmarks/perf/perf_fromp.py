@@ -253,11 +253,13 @@ def add_end_to_end_args(ap: argparse.ArgumentParser, what: str, benchmark_help: 
 
 
 def write_end_to_end(script: str, args: argparse.Namespace, text: str) -> None:
-    """Print an end-to-end report and (unless ``--no-write``) save it as
+    """Print an end-to-end report and (unless ``--no-write``) save it as ``--out`` where given, else as
     ``benchmarks/results/perf/perf_<script>_end_to_end_<benchmark>[_quick].md``."""
     print(text)
     if not args.no_write:
-        out = ROOT / "benchmarks" / "results" / "perf" / f"perf_{script}_end_to_end_{args.benchmark}{'_quick' if args.quick else ''}.md"
+        default = f"perf_{script}_end_to_end_{args.benchmark}{'_quick' if args.quick else ''}.md"
+        out = Path(args.out) if getattr(args, "out", None) else ROOT / "benchmarks" / "results" / "perf" / default
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
         print(f"wrote {out}")
 
@@ -306,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rebuilds", type=int, default=2, help="timed rebuilds per setting (median)")
     ap.add_argument("--n-train", type=int, default=2000, help="examples per synthetic past task")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (the reference used 2 cores)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "perf" / "perf_fromp.md"))
+    ap.add_argument("--out", default=None, help="the report file (default: benchmarks/results/perf/perf_fromp.md; "
+                    "with --end-to-end perf_<script>_end_to_end_<benchmark>[_quick].md)")
     ap.add_argument("--no-write", action="store_true", help="print only")
     add_end_to_end_args(ap, "time the split-MNIST none and fromp runs (configs/split_mnist) in this invocation",
                         "--end-to-end: the configs/ folder (split_digits: a smoke run)")
@@ -323,8 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     text = report(res, args.steps, args.n_train)
     print(text)
     if not args.no_write:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
+        out = Path(args.out or ROOT / "benchmarks" / "results" / "perf" / "perf_fromp.md")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
     worst = max(r["step"] / r["fwd_bwd"] for r in res["rows"])
     speedup9 = REFERENCE[9][0] / res["rows"][-1]["step"]
     print(f"max step / fwd-bwd(batch+mem) = {worst:.2f} (target <= 2); speed-up at 9 past tasks = {speedup9:.0f}x "
