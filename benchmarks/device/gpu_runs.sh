@@ -4,7 +4,8 @@
 # the one GPU, each a `benchmarks/reproduce.py` process with its own records folder, each stopped after $LIMIT
 # seconds, its run folder under /tmp/work/<job> (COMPILE=reduce-overhead: train.compile, the compiled step;
 # DETERMINISTIC=1: reproduce.py --deterministic, deterministic CUDA kernels; VALIDATION=0.1: every job on
-# the validation split, for choosing, never the test set). The records and logs come back as $OUT/records.tgz and
+# the validation split, for choosing, never the test set; a job "benchmark:method:seed:0.1" is on the validation
+# split alone, and "benchmark:method:seed:test" on the test set whatever VALIDATION says). The records and logs come back as $OUT/records.tgz and
 # $OUT/logs.tgz; logs.tgz also holds each run folder without its checkpoints (the per-epoch log), so that a run
 # stopped by the limit shows how far it got. Bring the records in with benchmarks/device/import_records.py.
 # Needs CONTINUAL_BLR_COMMIT (the commit the working tree was sent from; a copied .git may be an older checkout's).
@@ -13,10 +14,11 @@ LIMIT=${LIMIT:-420}
 python3 benchmarks/device/cifar10_webp.py unpack --parts /tmp/devdata_a /tmp/devdata_b .devdata_c --root /tmp/data || exit 3
 mkdir -p /tmp/rec /tmp/logs
 for job in $JOBS; do
-  IFS=: read -r bench method seed <<< "$job"
-  tag=$(echo "$bench-$method-$seed" | tr / _)
+  IFS=: read -r bench method seed split <<< "$job"
+  val=${split:-$VALIDATION}; [ "$val" = test ] && val=
+  tag=$(echo "$bench-$method-$seed${val:+-val$val}" | tr / _)
   timeout "$LIMIT" python3 benchmarks/reproduce.py "$bench" --methods "$method" --seeds "$seed" --device cuda \
-    --threads 1 --work-dir /tmp/work/"$tag" ${COMPILE:+--compile $COMPILE} ${DETERMINISTIC:+--deterministic} ${VALIDATION:+--validation $VALIDATION} --runs-dir /tmp/rec/"$tag" --results-dir /tmp/rec/"$tag"/results \
+    --threads 1 --work-dir /tmp/work/"$tag" ${COMPILE:+--compile $COMPILE} ${DETERMINISTIC:+--deterministic} ${val:+--validation $val} --runs-dir /tmp/rec/"$tag" --results-dir /tmp/rec/"$tag"/results \
     > /tmp/logs/"$tag".log 2>&1 &
 done
 start=$SECONDS
