@@ -17,6 +17,9 @@ code did change, this script runs, for the lowest seed of each stale row (record
    training losses) and today's probe executed every changed entry (a probe that never reaches the changed code
    proves nothing about it: refused, the record needs a full rerun).
 
+A record made on a GPU is refused without a probe when a changed entry is in :data:`DEVICE_NUMERICS` (the
+precision policy, e.g. whether CUDA convolutions run in TF32): the CPU probe runs none of what it changes.
+
 An equivalent row's changed entries are appended, old hash → new hash, to ``<records>/equivalent_code.json`` for
 that folder and row, and the entries today's probe executed that the records lack are added to their fingerprints
 (``carried_over`` in each record says when and from which probe), so a later edit of moved code stales them too.
@@ -163,6 +166,14 @@ def declare(records_dir: Path, folder: str, method: str, paths: list[Path], reco
         path.write_text(json.dumps(rec, indent=2))
 
 
+DEVICE_NUMERICS = ("continual_blr/mixed_precision.py",)  # the precision policy: autocast, TF32 on CUDA
+
+
+def made_on_gpu(record: dict[str, Any]) -> bool:
+    """Whether the record's run computed on a CUDA device (``--device cuda`` in its command, or a GPU named)."""
+    return "--device cuda" in str(record.get("command", "")) or str(record.get("device", "")).startswith("NVIDIA")
+
+
 def clean_commit(root: Path) -> str | None:
     """The commit checked out at ``root`` if its library and configs are exactly that commit's, else None."""
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
@@ -186,6 +197,10 @@ def stale_row(records_dir: Path, folder: str, method: str, paths: list[Path], wo
     changed = fingerprint.changed_entries(record["fingerprint"], new_root, eq)
     if not changed:
         return "current", None, [], None
+    device_bound = [e for e in changed if e.split("::")[0] in DEVICE_NUMERICS]
+    if device_bound and made_on_gpu(record):
+        return (f"stale: made on a GPU and {device_bound[0]} changed, which sets how CUDA computes (a CPU probe "
+                "cannot show the GPU's numbers unchanged); rerun the row on a GPU"), None, [], None
     if old_root is None:
         commit = record_commit(record)
         if commit is None:

@@ -23,6 +23,15 @@ What never runs in bf16, even when called inside an active autocast — each ent
 
 Evaluation (``loop.evaluate_task``) is not autocast: predictions and their accumulation are fp32 / fp64.
 
+**TF32.** On an Ampere-or-later GPU, PyTorch runs fp32 convolutions in TF32 by default
+(``torch.backends.cudnn.conv.fp32_precision == "tf32"``): operands rounded to 10 mantissa bits, unit roundoff
+u = 2⁻¹¹ ≈ 4.9 × 10⁻⁴ instead of fp32's 6 × 10⁻⁸. :func:`full_precision` switches TF32 off for cuDNN convolutions
+and CUDA matrix products inside its block (and restores the caller's settings after), because "fp32" is what its
+callers rely on: FROMP's kernels K = J Σ Jᵀ on a memorised CifarNet reach condition numbers of 10⁴ (largest
+eigenvalue ≈ 5 × 10³, smallest ≈ 0.25, ``benchmarks/results/traces/diagnose_fromp_divergence.md``), and a
+perturbation of u · λ_max ≈ 2.5 in K (Weyl's bound |Δλ| ≤ ‖ΔK‖₂) swamps every small eigenvalue. The training forward
+outside these blocks keeps whatever the caller set (TF32 by default on such GPUs: it is the data loss only).
+
 **channels_last.** ``train.channels_last`` (None: on exactly when the precision is bf16) stores the
 network's 4-D (convolution) weights in ``torch.channels_last`` memory format (``run_stream`` converts
 the model once) and the training step converts 4-D inputs to the model's format
@@ -42,7 +51,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["PRECISIONS", "check_precision", "autocast_dtype", "training_autocast", "autocast_active",
-           "full_precision", "full_precision_block", "full_precision_methods", "to_fp32", "channels_last_on",
+           "full_precision", "full_precision_block", "ieee_fp32", "tf32_enabled", "full_precision_methods", "to_fp32", "channels_last_on",
            "to_channels_last", "is_channels_last", "match_input_format"]
 
 PRECISIONS = ("fp32", "bf16")
@@ -101,12 +110,51 @@ def resumed_autocast(state: tuple[str, torch.dtype] | None) -> contextlib.Abstra
 
 @contextlib.contextmanager
 def full_precision_block() -> Iterator[None]:
-    """Switch autocast off (for every device type where it is on) inside the block."""
+    """Switch autocast off (for every device type where it is on) and TF32 off (:func:`ieee_fp32`) inside the
+    block."""
     active = [d for d in _DEVICE_TYPES if torch.is_autocast_enabled(d)]
     with contextlib.ExitStack() as stack:
         for d in active:
             stack.enter_context(torch.autocast(device_type=d, enabled=False))
+        stack.enter_context(ieee_fp32())
         yield
+
+
+def _tf32_switches() -> list[tuple[Any, str, Any]]:
+    """(backend object, attribute, its IEEE-fp32 value) for cuDNN convolutions and CUDA matrix products: the
+    ``fp32_precision`` API where this torch has it (its getters resolve ``"none"`` through the parent switches;
+    mixing it with the legacy ``allow_tf32`` flags raises), the legacy flags otherwise."""
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if conv is not None and hasattr(conv, "fp32_precision"):
+        return [(conv, "fp32_precision", "ieee"), (torch.backends.cuda.matmul, "fp32_precision", "ieee")]
+    return [(torch.backends.cudnn, "allow_tf32", False), (torch.backends.cuda.matmul, "allow_tf32", False)]
+
+
+def _is_tf32(obj: Any, name: str, ieee: Any) -> bool:
+    """Whether the switch lets fp32 operations run in TF32."""
+    return getattr(obj, name) not in (ieee, "none")
+
+
+def tf32_enabled() -> bool:
+    """Whether fp32 convolutions or matrix products on a CUDA device may run in TF32 in the calling context."""
+    return any(_is_tf32(*switch) for switch in _tf32_switches())
+
+
+@contextlib.contextmanager
+def ieee_fp32() -> Iterator[None]:
+    """IEEE fp32 (no TF32) for cuDNN convolutions and CUDA matrix products inside the block; the caller's
+    settings are restored on exit, also on an exception. A no-op where TF32 is already off (and on the CPU,
+    where the switches change nothing)."""
+    changed = []
+    for obj, name, ieee in _tf32_switches():
+        if _is_tf32(obj, name, ieee):
+            changed.append((obj, name, getattr(obj, name)))
+            setattr(obj, name, ieee)
+    try:
+        yield
+    finally:
+        for obj, name, old in reversed(changed):
+            setattr(obj, name, old)
 
 
 def to_fp32(obj: Any) -> Any:
@@ -132,14 +180,15 @@ def full_precision(fn: F) -> F:
     """Decorator: ``fn`` computes in fp32 (or its own fp64) even when called inside an active autocast.
 
     Autocast is switched off for the call and bf16 / fp16 tensor arguments are cast to fp32
-    (:func:`to_fp32`). Outside autocast with fp32 arguments it costs two checks.
+    (:func:`to_fp32`), and TF32 is switched off (:func:`ieee_fp32`) once CUDA is initialised (before that no CUDA
+    kernel can run). Outside autocast, on the CPU or with TF32 off, with fp32 arguments it costs three checks.
     """
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         args = tuple(to_fp32(a) for a in args)
         kwargs = {k: to_fp32(v) for k, v in kwargs.items()}
-        if not autocast_active():
+        if not autocast_active() and not (torch.cuda.is_initialized() and tf32_enabled()):
             return fn(*args, **kwargs)
         with full_precision_block():
             return fn(*args, **kwargs)

@@ -199,3 +199,55 @@ def test_comparison_runs_on_cpu(check, case):
 @pytest.mark.parametrize("check", sorted(CHECKS))
 def test_cuda_agrees_with_cpu(check, case):
     CHECKS[check]("cuda", case)
+
+
+def _wide_conv_net(seed: int) -> nn.Module:
+    """A conv net wide enough (64 channels, 3×3 over 16×16) that TF32's operand rounding shows in its outputs."""
+    body = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(2), nn.Flatten())
+    net = MultiHeadNet(body, 256, 2, n_heads=1)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    return net
+
+
+@CUDA
+def test_fp32_kernels_on_cuda_are_not_computed_in_tf32():
+    """PyTorch runs fp32 convolutions in TF32 on Ampere-or-later GPUs by default (unit roundoff 2⁻¹¹ ≈ 4.9e-4);
+    the kernel engine is :func:`full_precision`, so its fp32 kernel on CUDA must agree with the float64 one to
+    fp32 accuracy (relative Frobenius error ≤ 1e-5), with the default TF32 setting left on outside it. The control:
+    the same network's plain fp32 forward on CUDA under that setting is off by more than 1e-5 where the GPU has
+    TF32 (compute capability ≥ 8), so the tolerance separates the two."""
+    from continual_blr.mixed_precision import tf32_enabled
+
+    model64 = _wide_conv_net(0).to(DT)
+    x = torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(1), dtype=DT)
+    sig = {n: torch.full_like(p, 0.5) for n, p in params_of(model64).items()}
+    ref = kernel(model64, x, sig, head=0, output_fn=lambda f: f.softmax(-1), blockwise=True)
+    model32 = _wide_conv_net(0).float().cuda()
+    sig32 = {n: s.float().cuda() for n, s in sig.items()}
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    legacy = conv is None or not hasattr(conv, "fp32_precision")
+    old = torch.backends.cudnn.allow_tf32 if legacy else conv.fp32_precision
+    try:
+        if legacy:
+            torch.backends.cudnn.allow_tf32 = True
+        else:
+            conv.fp32_precision = "tf32"
+        assert tf32_enabled()
+        got = kernel(model32, x.float().cuda(), sig32, head=0, output_fn=lambda f: f.softmax(-1), blockwise=True)
+        err = float((got.double().cpu() - ref).norm() / ref.norm())
+        assert err <= 1e-5, f"kernel relative error {err:.2e}: computed in TF32?"
+        if torch.cuda.get_device_capability()[0] >= 8:
+            with torch.no_grad():
+                f32 = model32(x.float().cuda(), 0).double().cpu()
+                f64 = model64(x, 0)
+            control = float((f32 - f64).norm() / f64.norm())
+            assert control > 1e-5, f"plain TF32 forward error {control:.2e}: TF32 not in effect, test cannot fail"
+    finally:
+        if legacy:
+            torch.backends.cudnn.allow_tf32 = old
+        else:
+            conv.fp32_precision = old

@@ -226,6 +226,99 @@ def test_fromp_kernel_and_penalty_are_fp32_inside_an_active_bf16_autocast(gen):
     _close_fp32(ref_pen, got_pen)
 
 
+@pytest.fixture
+def tf32_on(monkeypatch):
+    """TF32 switched on for cuDNN convolutions (PyTorch's default) and CUDA matrix products, as on an Ampere GPU,
+    and CUDA reported initialised (only then does :func:`full_precision` look at TF32); every switch is put back
+    after the test."""
+    from continual_blr.mixed_precision import _tf32_switches
+
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in _tf32_switches()]
+    for obj, name, ieee in _tf32_switches():
+        setattr(obj, name, "tf32" if isinstance(ieee, str) else True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    yield
+    for obj, name, old in reversed(saved):
+        setattr(obj, name, old)
+
+
+def _tf32_state() -> list[bool]:
+    from continual_blr.mixed_precision import _is_tf32, _tf32_switches
+
+    return [_is_tf32(*switch) for switch in _tf32_switches()]
+
+
+def test_full_precision_switches_tf32_off_inside_and_restores_it(tf32_on):
+    """On an Ampere-or-later GPU fp32 convolutions run in TF32 by default (u = 2⁻¹¹); FROMP's kernels, the
+    curvature and the posteriors must not (docs in :mod:`continual_blr.mixed_precision`)."""
+    from continual_blr.mixed_precision import full_precision, tf32_enabled
+
+    seen = []
+
+    @full_precision
+    def fn(fail: bool) -> None:
+        seen.append(_tf32_state())
+        if fail:
+            raise ValueError("inside")
+
+    assert _tf32_state() == [True, True] and tf32_enabled()
+    fn(False)
+    assert seen[-1] == [False, False]
+    assert _tf32_state() == [True, True]  # the caller's setting is back
+    with pytest.raises(ValueError, match="inside"):
+        fn(True)
+    assert seen[-1] == [False, False] and _tf32_state() == [True, True]
+    # the library's FROMP rebuild and penalty go through it
+    model = _small_net()
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(12, 6, generator=gen), torch.randint(0, 3, (12,), generator=gen)
+    task = Task(0, x, y, x, y, (0, 1, 2), name="t0")
+    reg = FunctionalRegularizer(n_points=6)
+    reg.on_task_end(model, task)
+    import continual_blr.regularizers.functional as functional
+
+    inner, states = functional.forward, []
+
+    def spy(*a, **k):  # the network forward inside the rebuild and the penalty
+        states.append(_tf32_state())
+        return inner(*a, **k)
+
+    functional.forward = spy
+    try:
+        reg.on_task_start(model, task)
+        reg.penalty(model, loop.Batch(x[:4], y[:4], 0), task)
+    finally:
+        functional.forward = inner
+    assert len(states) >= 2 and all(st == [False, False] for st in states)
+    assert _tf32_state() == [True, True]
+
+
+def test_a_global_tf32_setting_is_switched_off_too():
+    """``torch.backends.fp32_precision = "tf32"`` (the global switch, per-operation switches at ``"none"``) is TF32
+    for convolutions and matrix products, and :func:`ieee_fp32` overrides it for the block only."""
+    from continual_blr.mixed_precision import _tf32_switches, ieee_fp32, tf32_enabled
+
+    switches = _tf32_switches()
+    if not isinstance(switches[0][2], str):
+        pytest.skip("this torch has only the legacy allow_tf32 flags")
+    parents = (torch.backends.cudnn, torch.backends)
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in switches]
+    saved += [(p, "fp32_precision", p.fp32_precision) for p in parents]
+    try:
+        for obj in (*parents[::-1], *(s[0] for s in switches)):
+            obj.fp32_precision = "none"
+        torch.backends.fp32_precision = "ieee"
+        assert not tf32_enabled()
+        torch.backends.fp32_precision = "tf32"
+        assert tf32_enabled()
+        with ieee_fp32():
+            assert not tf32_enabled()
+        assert tf32_enabled()
+    finally:
+        for obj, name, old in reversed(saved):
+            setattr(obj, name, old)
+
+
 def test_posteriors_are_fp32_inside_an_active_bf16_autocast(gen):
     model = _small_net()
     mean = {k: p.detach().clone() for k, p in model.named_parameters()}

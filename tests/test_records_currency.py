@@ -186,6 +186,26 @@ def test_side_by_side_refuses_when_the_probe_does_not_reach_the_changed_code(mad
     assert verdict == f"stale (the probe does not execute {entry}): rerun the row"
 
 
+@pytest.mark.parametrize("device", ["AMD EPYC 7B13", "NVIDIA H200"])
+def test_a_precision_policy_change_stales_a_gpu_record_without_a_probe(made, tmp_path, device):
+    """A change to the precision policy (here: TF32 switched off inside full_precision) leaves every CPU number
+    bit-identical, so a CPU probe would carry a GPU record over; a GPU record is refused, a CPU one is probed."""
+    old_root, recs = made
+    rec = json.loads(json.dumps(recs["ewc"])) | {"device": device}
+    assert "continual_blr/mixed_precision.py::full_precision" in rec["fingerprint"]
+    new_root = _library_copy(tmp_path / "new")
+    _edit(new_root, "continual_blr/mixed_precision.py", "        if not autocast_active()",
+          "        if not autocast_active() and 1 + 1 == 2")
+    records_dir = tmp_path / "records"
+    path = _record_file(records_dir, rec)
+    verdict = _side_by_side().check_row(records_dir, "t/task/full", "ewc", [path], tmp_path, new_root=new_root,
+                                        old_root=old_root, extra=PROBE)
+    if device.startswith("NVIDIA"):
+        assert verdict.startswith("stale: made on a GPU and continual_blr/mixed_precision.py::full_precision"), verdict
+    else:
+        assert verdict.startswith("carried over"), verdict
+
+
 def test_the_epoch_gated_trace_sees_what_a_full_trace_sees(tmp_path):
     """fingerprint.ExecutedCode.epoch_hook's claim: tracing the first and last epoch of each task (and between tasks)
     collects the same entries as tracing every epoch (4 epochs per task here, so two middle epochs go untraced).
