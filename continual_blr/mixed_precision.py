@@ -27,9 +27,10 @@ Evaluation (``loop.evaluate_task``) is not autocast: predictions and their accum
 (``torch.backends.cudnn.conv.fp32_precision == "tf32"``): operands rounded to 10 mantissa bits, unit roundoff
 u = 2⁻¹¹ ≈ 4.9 × 10⁻⁴ instead of fp32's 6 × 10⁻⁸. :func:`full_precision` switches TF32 off for cuDNN convolutions
 and CUDA matrix products inside its block (and restores the caller's settings after), because "fp32" is what its
-callers rely on: FROMP's kernels K = J Σ Jᵀ on a memorised CifarNet reach condition numbers of 10⁴ (largest
-eigenvalue ≈ 5 × 10³, smallest ≈ 0.25, ``benchmarks/results/traces/diagnose_fromp_divergence.md``), and a
-perturbation of u · λ_max ≈ 2.5 in K (Weyl's bound |Δλ| ≤ ‖ΔK‖₂) swamps every small eigenvalue. The training forward
+callers promise: FROMP's kernels K = J Σ Jᵀ on a memorised CifarNet span eigenvalues from ≈ 3 to ≈ 5 × 10³, and
+Weyl's bound (|Δλ| ≤ ‖ΔK‖₂) allows TF32 an error of u · λ_max ≈ 2.7 in each of them (emulated on a CPU it moved K by
+3.4 × 10⁻³ relative but left the smallest eigenvalue unchanged, ``benchmarks/results/traces/diagnose_fromp_tf32.md``;
+no guarantee for other networks). The training forward
 outside these blocks keeps whatever the caller set (TF32 by default on such GPUs: it is the data loss only).
 
 **channels_last.** ``train.channels_last`` (None: on exactly when the precision is bf16) stores the

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import math
 
 import pytest
 import torch
@@ -405,3 +406,25 @@ def test_the_run_log_shows_the_penalty_apart_from_the_data_loss(tmp_path):
         assert float(r["data_loss"]) + float(r["penalty"]) == pytest.approx(float(r["train_loss"]), rel=1e-5)
     assert float(rows[0]["penalty"]) == 0.0 and float(rows[-1]["penalty"]) > 0.0
     assert float(rows[-1]["kernel_min_diag"]) > 0.0
+    for r in rows:  # the largest step is at least the epoch's mean
+        assert float(r["data_loss_max"]) >= float(r["data_loss"]) * (1 - 1e-6)
+        assert float(r["penalty_max"]) >= float(r["penalty"]) * (1 - 1e-6)
+
+
+def test_the_penalty_log_keeps_the_largest_step_of_the_epoch():
+    """Hand-made steps (data, penalty, batch size): means weighted by the batch sizes, maxima of one step, and
+    a fresh epoch after ``pop`` (NaN maxima for an epoch with no step)."""
+    from continual_blr.methods.fromp import PenaltyLog
+
+    reg = FunctionalRegularizer(n_points=2)
+    log = PenaltyLog()
+    for data, pen, n in [(1.0, 0.5, 2), (3.0, 0.1, 1), (0.5, 0.2, 1)]:
+        log.add(torch.tensor(data), torch.tensor(pen), n)
+    out = log.pop(reg, started=False)
+    assert out["data_loss"] == pytest.approx((2 * 1.0 + 3.0 + 0.5) / 4)
+    assert out["penalty"] == pytest.approx((2 * 0.5 + 0.1 + 0.2) / 4)
+    assert out["data_loss_max"] == pytest.approx(3.0) and out["penalty_max"] == pytest.approx(0.5)
+    log.add(torch.tensor(0.25), torch.tensor(0.0), 3)
+    again = log.pop(reg, started=False)
+    assert again["data_loss_max"] == pytest.approx(0.25) and again["penalty_max"] == 0.0
+    assert math.isnan(log.pop(reg, started=False)["data_loss_max"])

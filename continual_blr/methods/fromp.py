@@ -18,7 +18,9 @@ Every FROMP-type method (these and ``fromp-replay``) also takes ``output`` (``pr
 ``jitter_relative`` and ``drop_below`` (kernel health at each rebuild; :mod:`continual_blr.regularizers.functional`),
 and logs per epoch (``epoch_stats``, the run's ``train_log.csv``) the penalty apart from the rest of the loss:
 ``data_loss`` and ``penalty`` (their minibatch-size-weighted means over the epoch, which add up to the loop's
-``train_loss``), ``kernel_dropped`` (memorable points left out at this task's rebuild, summed over the stored tasks)
+``train_loss``), ``data_loss_max`` and ``penalty_max`` (the largest of one step in the epoch: which part rose first
+when a run blows up; the data part is the minibatch's loss, without fromp-replay's replay term),
+``kernel_dropped`` (memorable points left out at this task's rebuild, summed over the stored tasks)
 and ``kernel_min_diag`` (the smallest diagonal of J Σ Jᵀ there; NaN before the first rebuild). ``memory_stats``
 (``results.json``) carries every rebuild's per-task record as ``kernel_health``.
 """
@@ -75,18 +77,26 @@ class PenaltyLog:
     def reset(self) -> None:
         self.data: Tensor | float = 0.0
         self.penalty: Tensor | float = 0.0
+        self.data_max: Tensor | float = -math.inf
+        self.penalty_max: Tensor | float = -math.inf
         self.n = 0
 
     def add(self, data: Tensor, penalty: Tensor, n: int) -> None:
-        self.data = self.data + data.detach().float() * n
-        self.penalty = self.penalty + penalty.detach().float() * n
+        d, p = data.detach().float(), penalty.detach().float()
+        self.data = self.data + d * n
+        self.penalty = self.penalty + p * n
+        self.data_max = d if isinstance(self.data_max, float) else torch.maximum(self.data_max, d)
+        self.penalty_max = p if isinstance(self.penalty_max, float) else torch.maximum(self.penalty_max, p)
         self.n += int(n)
 
     def pop(self, reg: FunctionalRegularizer, started: bool) -> dict[str, float]:
-        """``data_loss``, ``penalty`` (means over the epoch), ``kernel_dropped``, ``kernel_min_diag`` (this task's
-        rebuild, if it had one: ``started``); resets the sums."""
+        """``data_loss``, ``penalty`` (means over the epoch), ``data_loss_max``, ``penalty_max`` (the largest of one
+        step: where a blow-up starts), ``kernel_dropped``, ``kernel_min_diag`` (this task's rebuild, if it had one:
+        ``started``); resets the sums."""
         n = max(self.n, 1)
-        out = {"data_loss": float(self.data) / n, "penalty": float(self.penalty) / n}
+        out = {"data_loss": float(self.data) / n, "penalty": float(self.penalty) / n,
+               "data_loss_max": float(self.data_max) if self.n else math.nan,
+               "penalty_max": float(self.penalty_max) if self.n else math.nan}
         last = reg.health[-1] if (reg.health and started) else []
         diags = [r["min_diag"] for r in last if r["min_diag"] is not None]
         out["kernel_dropped"] = float(sum(r["dropped_points"] for r in last))
