@@ -30,8 +30,8 @@ and CUDA matrix products inside its block (and restores the caller's settings af
 callers promise: FROMP's kernels K = J Σ Jᵀ on a memorised CifarNet span eigenvalues from ≈ 3 to ≈ 5 × 10³, and
 Weyl's bound (|Δλ| ≤ ‖ΔK‖₂) allows TF32 an error of u · λ_max ≈ 2.7 in each of them (emulated on a CPU it moved K by
 3.4 × 10⁻³ relative but left the smallest eigenvalue unchanged, ``benchmarks/results/traces/diagnose_fromp_tf32.md``;
-no guarantee for other networks). The training forward
-outside these blocks keeps whatever the caller set (TF32 by default on such GPUs: it is the data loss only).
+no guarantee for other networks). The training forward outside these blocks keeps whatever the caller set (TF32 by
+default on such GPUs: it is the data loss only).
 
 **channels_last.** ``train.channels_last`` (None: on exactly when the precision is bf16) stores the
 network's 4-D (convolution) weights in ``torch.channels_last`` memory format (``run_stream`` converts
@@ -52,8 +52,8 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["PRECISIONS", "check_precision", "autocast_dtype", "training_autocast", "autocast_active",
-           "full_precision", "full_precision_block", "ieee_fp32", "tf32_enabled", "full_precision_methods", "to_fp32", "channels_last_on",
-           "to_channels_last", "is_channels_last", "match_input_format"]
+           "full_precision", "full_precision_block", "ieee_fp32", "tf32_enabled", "full_precision_methods",
+           "to_fp32", "channels_last_on", "to_channels_last", "is_channels_last", "match_input_format"]
 
 PRECISIONS = ("fp32", "bf16")
 _AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
