@@ -828,13 +828,39 @@ def test_an_interrupted_equivalence_check_keeps_the_rows_it_verified(tmp_path, m
     assert len(rr.declarations(runs)) == 2
 
 
+def _diagnosis(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "diagnose" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_tf32_emulation_rounds_to_eleven_significant_bits():
+    """``diagnose_fromp_tf32.round_tf32`` against exact binary cases (round half to even at 2⁻¹¹ relative) and a
+    float64 bound on random values; its emulated convolution moves a conv net's output, by at most ~2⁻¹⁰."""
+    tf32 = _diagnosis("diagnose_fromp_tf32")
+    r = tf32.round_tf32
+    x = torch.tensor([1.0, 1 + 2.0 ** -10, 1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, -(1 + 2.0 ** -12), 0.0, 3.0 * 2 ** -20],
+                     dtype=torch.float64)
+    want = torch.tensor([1.0, 1 + 2.0 ** -10, 1.0, 1 + 2 * 2.0 ** -10, -1.0, 0.0, 3.0 * 2 ** -20], dtype=torch.float64)
+    assert torch.equal(r(x), want)
+    y = torch.randn(10_000, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 1e3
+    assert float(((r(y) - y).abs() / y.abs()).max()) <= 2.0 ** -11
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3), torch.nn.ReLU(), torch.nn.Conv2d(16, 4, 3)).double()
+    z = torch.randn(2, 3, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref, got = net(z), tf32.emulate_tf32(net)(z)
+    rel = float((got - ref).norm() / ref.norm())
+    assert 0 < rel < 2.0 ** -9
+    assert torch.equal(net(z), ref)  # the original is untouched
+    assert [n for n, _ in tf32.emulate_tf32(net).named_parameters()] == [n for n, _ in net.named_parameters()]
+
+
 def test_fromp_divergence_diagnosis_traces_penalty_kernels_and_validation_accuracy(tmp_path):
     """``benchmarks/diagnose/diagnose_fromp_divergence.py`` on a tiny synthetic FROMP run: one trace row per epoch with the
     penalty (zero on task 1, which has no past; positive on task 2) and pre-clip gradient norms, the kernels of the
     stored task at task 2's start (eigenvalues at least the jitter), and validation accuracies per task end."""
-    spec = importlib.util.spec_from_file_location("diagnose", ROOT / "benchmarks" / "diagnose" / "diagnose_fromp_divergence.py")
-    diagnose = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(diagnose)
+    diagnose = _diagnosis("diagnose_fromp_divergence")
     config = tmp_path / "fromp.yaml"
     config.write_text(yaml.safe_dump({
         "stream": {"name": "synthetic", "scenario": "task", "options": {"n_tasks": 2, "n_train": 60, "n_test": 20}},

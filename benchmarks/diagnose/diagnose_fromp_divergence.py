@@ -21,7 +21,6 @@ Run (about 40 CPU-minutes for 3 tasks at bf16 on a CPU with AMX-BF16):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
@@ -31,6 +30,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # protocol.py beside this file
 
 
 def _spectra(reg) -> list[dict]:
@@ -69,26 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--validation: {args.validation} is not in (0, 1); the test set is never used here")
     torch.set_num_threads(args.threads)
 
-    from continual_blr.config import RunConfig, from_dict, yaml_load
     from continual_blr.loop import run_stream
-    from continual_blr.methods import build_method
-    from continual_blr.models import build_model
     from continual_blr.regularizers.functional import FunctionalRegularizer
-    from continual_blr.runner import _train_for, build_stream
+    from protocol import first_method_run
 
-    cfg = from_dict(RunConfig, yaml_load(Path(args.config).read_text()))
-    cfg.stream.data_dir = args.data_dir
-    cfg.stream.validation = args.validation
-    cfg.seed = args.seed
-    stream = build_stream(cfg)
-    stream = dataclasses.replace(stream, tasks=list(stream.tasks)[: args.tasks])
-    mc = cfg.methods[0]
-    train = _train_for(cfg, mc.train)
-    train = dataclasses.replace(train, precision=args.precision,
-                                epochs=args.epochs if args.epochs is not None else train.epochs)
-    method = build_method(mc.name, mc.params, seed=cfg.seed)
-    model = build_model(cfg.model.arch, stream.input_shape, stream.n_outputs, stream.n_heads,
-                        hidden=tuple(cfg.model.hidden), generator=torch.Generator().manual_seed(cfg.seed))
+    stream, train, method, model, params = first_method_run(args.config, args.data_dir, seed=args.seed,
+                                                            validation=args.validation, tasks=args.tasks,
+                                                            precision=args.precision, epochs=args.epochs)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -100,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     emit({"kind": "start", "config": args.config, "seed": args.seed, "tasks": args.tasks, "epochs": train.epochs,
           "precision": args.precision, "validation": args.validation, "grad_clip": train.grad_clip,
-          "params": mc.params, "torch": torch.__version__})
+          "params": params, "torch": torch.__version__})
     state = {"task": 0, "pen": [], "norm": [], "t": time.perf_counter()}
 
     penalty = FunctionalRegularizer.penalty
@@ -145,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     state["task"] = 1
     t0, c0 = time.perf_counter(), time.process_time()
     try:
-        run_stream(model, stream, method, train, seed=cfg.seed, device="cpu", progress=False,
+        run_stream(model, stream, method, train, seed=args.seed, device="cpu", progress=False,
                    on_task_end=on_task_end, on_epoch=on_epoch)
     finally:
         FunctionalRegularizer.penalty, FunctionalRegularizer.rebuild = penalty, rebuild

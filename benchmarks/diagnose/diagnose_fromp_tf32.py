@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import sys
 import time
@@ -38,6 +37,7 @@ import torch
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # protocol.py beside this file
 
 
 def round_tf32(t: torch.Tensor) -> torch.Tensor:
@@ -97,28 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from continual_blr.config import RunConfig, from_dict, yaml_load
     from continual_blr.curvature import kernel
     from continual_blr.loop import run_stream
-    from continual_blr.methods import build_method
-    from continual_blr.models import build_model
     from continual_blr.regularizers.functional import _prob_fn
-    from continual_blr.runner import _train_for, build_stream
+    from protocol import first_method_run
 
-    cfg = from_dict(RunConfig, yaml_load(Path(args.config).read_text()))
-    cfg.stream.data_dir = args.data_dir
-    cfg.stream.validation = args.validation
-    cfg.seed = args.seed
-    stream = build_stream(cfg)
-    stream = dataclasses.replace(stream, tasks=list(stream.tasks)[:1])
-    mc = cfg.methods[0]
-    train = dataclasses.replace(_train_for(cfg, mc.train), precision="fp32", epochs=args.epochs)
-    method = build_method(mc.name, mc.params, seed=cfg.seed)
-    model = build_model(cfg.model.arch, stream.input_shape, stream.n_outputs, stream.n_heads,
-                        hidden=tuple(cfg.model.hidden), generator=torch.Generator().manual_seed(cfg.seed))
+    stream, train, method, model, _ = first_method_run(args.config, args.data_dir, seed=args.seed,
+                                                       validation=args.validation, tasks=1, precision="fp32",
+                                                       epochs=args.epochs)
     t0 = time.process_time()
     losses: list[float] = []
-    run_stream(model, stream, method, train, seed=cfg.seed, device="cpu", progress=True,
+    run_stream(model, stream, method, train, seed=args.seed, device="cpu", progress=True,
                on_epoch=lambda i, epoch, loss: losses.append(loss))
     train_cpu = time.process_time() - t0
     reg = method.regularizer
