@@ -13,3 +13,5 @@ python3 -c "import torch, PIL, PIL.features as f; print('torch', torch.__version
 nproc
 python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$OUT/test_cuda.log" | tail -15
 python3 benchmarks/perf/perf_train.py --device cuda --compile --steps 30 --warmup 10 --out "$OUT/perf_train_cuda.md" 2>/dev/null | grep -E "^\||^\*|^Target"
+# where a step's time goes (kernels, launches, synchronisation): $OUT/profile.md
+timeout 120 python3 benchmarks/perf/profile_train_cuda.py --out "$OUT" 2>/dev/null | grep -E "^##|^wall"
