@@ -885,3 +885,30 @@ def test_fromp_divergence_diagnosis_traces_penalty_kernels_and_validation_accura
     assert entry["eig_min"] >= entry["jitter"] * (1 - 1e-5) and entry["eig_max"] >= entry["eig_min"]
     ends = [r for r in rows if r["kind"] == "task_end"]
     assert [len(r["val_acc"]) for r in ends] == [1, 2] and all(0 <= a <= 1 for r in ends for a in r["val_acc"])
+
+
+def test_gpu_runs_gives_each_job_its_split_and_folder(tmp_path):
+    """``benchmarks/device/gpu_runs.sh`` with a stand-in ``python3`` that logs its arguments: a job's fourth field
+    picks its split (``0.1``: validation; ``test``: the test set whatever ``VALIDATION`` says; none: ``VALIDATION``),
+    and a validation and a test job of one seed get different run and records folders."""
+    import subprocess
+
+    bindir, log = tmp_path / "bin", tmp_path / "calls.txt"
+    bindir.mkdir()
+    (bindir / "python3").write_text(f'#!/bin/sh\necho "$@" >> "{log}"\n')
+    (bindir / "python3").chmod(0o755)
+    (tmp_path / "out").mkdir()
+    env = os.environ | {"PATH": f"{bindir}:{os.environ['PATH']}", "SCRATCH": str(tmp_path / "s"),
+                        "OUT": str(tmp_path / "out"), "VALIDATION": "0.2", "POLL": "0.2",
+                        "JOBS": "a/b:m:1:0.1 a/b:m:1:test a/b:m:3"}
+    subprocess.run(["bash", str(ROOT / "benchmarks" / "device" / "gpu_runs.sh")], cwd=ROOT, env=env, check=True,
+                   capture_output=True, timeout=120)
+    calls = sorted(line for line in log.read_text().splitlines() if "reproduce.py" in line)
+    assert len(calls) == 3
+    val1 = [c for c in calls if "--seeds 1" in c and "--validation" in c]
+    test1 = [c for c in calls if "--seeds 1" in c and "--validation" not in c]
+    (seed3,) = [c for c in calls if "--seeds 3" in c]
+    assert len(val1) == 1 and len(test1) == 1
+    assert "--validation 0.1" in val1[0] and "a_b-m-1-val0.1" in val1[0]
+    assert "a_b-m-1 " in test1[0] + " " and "val" not in test1[0].split("--runs-dir")[1]
+    assert "--validation 0.2" in seed3
