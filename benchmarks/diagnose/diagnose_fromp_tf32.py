@@ -20,7 +20,7 @@ Printed per variant: the relative error ‖K − K₆₄‖_F / ‖K₆₄‖_F,
 library's Cholesky needs (from ε = 10⁻⁶ up, ×10), and the largest eigenvalue of τ (K + εI)⁻¹ (the penalty's
 stiffness in Δp). It is a diagnosis, not a benchmark row.
 
-Run (about 30 CPU-seconds per epoch of task 1 on an AMD EPYC, 1 thread):
+Run (about 20 CPU-seconds per epoch of task 1 on an AMD EPYC, 1 thread: 792 s for 40 epochs):
 ``python benchmarks/diagnose/diagnose_fromp_tf32.py --data-dir $CONTINUAL_BLR_DATA --epochs 20 --out DIR``.
 """
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import sys
 import time
@@ -50,29 +51,19 @@ def _ste(t: torch.Tensor) -> torch.Tensor:
     return t + (round_tf32(t) - t).detach()
 
 
-class _TF32Conv(nn.Module):
-    """A convolution whose forward rounds its weight and input to TF32 (straight-through gradients)."""
-
-    def __init__(self, conv: nn.Conv2d) -> None:
-        super().__init__()
-        self.conv = conv
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        c = self.conv
-        return nn.functional.conv2d(_ste(x), _ste(c.weight), c.bias, c.stride, c.padding, c.dilation, c.groups)
+def _tf32_conv(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """``conv(x)`` with its weight and input rounded to TF32 (straight-through gradients)."""
+    return nn.functional.conv2d(_ste(x), _ste(conv.weight), conv.bias, conv.stride, conv.padding, conv.dilation,
+                                conv.groups)
 
 
 def emulate_tf32(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose convolutions compute as :class:`_TF32Conv` (same parameter names, as
-    ``conv.weight`` → ``<name>.conv.weight`` would not be: the copy keeps the original module tree and only
-    replaces each Conv2d's forward)."""
+    """A copy of ``model`` whose convolutions compute as :func:`_tf32_conv`; only each Conv2d's forward is replaced,
+    so the module tree and the parameter names stay those of ``model``."""
     out = copy.deepcopy(model)
     for mod in out.modules():
         if isinstance(mod, nn.Conv2d):
-            wrapper = _TF32Conv.__new__(_TF32Conv)
-            nn.Module.__init__(wrapper)
-            object.__setattr__(wrapper, "conv", mod)  # not registered: parameter names stay as they are
-            mod.forward = wrapper.forward  # type: ignore[method-assign]
+            mod.forward = functools.partial(_tf32_conv, mod)  # type: ignore[method-assign]
     return out
 
 

@@ -341,7 +341,8 @@ class BLRMethod(Method):
         without its Kronecker prior a kfac run would go on from the diagonal alone, silently dropping the past
         tasks' correlations, and a diagonal method would silently start coupling."""
         kfac_state = "kron_prior" in state
-        if kfac_state != (self.params.carry == "kfac") and (kfac_state or int(state.get("tasks_done", 1 if "posterior" in state else 0)) > 0):
+        if kfac_state != (self.params.carry == "kfac") and (
+                kfac_state or int(state.get("tasks_done", 1 if "posterior" in state else 0)) > 0):
             raise ValueError(f"params.carry: the saved state was made with carry "
                              f"{'kfac' if kfac_state else 'average or ggn'}, this method has {self.params.carry!r}")
         super().load_state_dict(state)
