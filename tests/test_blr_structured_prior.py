@@ -12,6 +12,12 @@ Oracles.
   so with ess factor e and temperature T the carried precision after tasks 1..t is δI + (e/T) Σ_s X̃_sᵀX̃_s/σ² as a
   full matrix, and with e = T = 1 the mean after task 2 is the batch posterior mean of all the data.
 
+* ``coupling_every`` k: the coupling recomputed on every k-th step and reused between leaves the fixed point
+  where it is, since at the fixed point m no longer moves: the same exact posterior mean, with k times fewer calls.
+* ``kfac_terms: merged``: after two tasks each layer's single term is the best Frobenius rank-one A ⊗ G of the
+  terms the ``"all"`` carry keeps, found by an SVD of the rearranged dense sum (Van Loan & Pitsianis 1993), an
+  oracle independent of ``nearest_kronecker``'s Gram-matrix route; with one output (G scalar) the merge is exact.
+
 Planted (once each): the coupling left out of ``_diag_update`` fails the step test and the method's mean test
 (the mean lands on the uncoupled solution, checked to be far from the exact one); ``precision_diag`` built from
 the first term only fails its test; the carry's scale without 1/T fails the carried-precision test.
@@ -252,3 +258,121 @@ def test_a_state_from_another_carry_is_refused():
         with pytest.raises(ValueError, match=r"^params.carry: the saved state was made with carry"):
             method.load_state_dict(states[other])
         method.load_state_dict(states[carry])  # the matching state loads
+
+
+@pytest.mark.parametrize("every", [2, 5])
+def test_a_coupling_reused_between_recomputations_keeps_the_exact_fixed_point(gen, every):
+    """``coupling_every`` k: the iteration of the coupled-step test still reaches the exact posterior mean (the
+    staleness vanishes at the fixed point), and the coupling ran on one step in k. Planted once each: a cache never
+    refreshed (the first step's R·0 reused) lands on the uncoupled mean; a cache never used calls it every step."""
+    model, kron, closure, _, exact = _coupled_problem(gen)
+    opt = BayesianLearningRule(model, DiagPosterior(kron.mean, 1.0), n_data=closure.x.shape[0], lr=0.3, rho=1.0,
+                               mc_samples=0, curvature="ggn", debias=True, coupling_every=every)
+    diag = kron.precision_diag()
+    calls = []
+
+    def coupling(v):
+        calls.append(1)
+        return {k: t - diag[k] * v[k] for k, t in kron.precision_matvec(v).items()}
+
+    opt.set_prior(DiagPosterior(kron.mean, diag), coupling)
+    steps = 3000
+    for _ in range(steps):
+        opt.step(closure)
+    torch.testing.assert_close(flatten(opt.posterior().mean), exact, **SOLVE)
+    assert len(calls) == -(-steps // every)
+
+
+def test_an_optimiser_state_saved_between_recomputations_carries_the_reused_coupling(gen):
+    """Saved after 5 steps with ``coupling_every`` 3 (the 6th step reuses the 4th's coupling) and loaded into a fresh
+    optimiser, 4 more steps give the uninterrupted 9 steps' mean bit for bit. Planted once: a load that drops the
+    saved coupling (recomputed at the 6th step) fails."""
+    model, kron, closure, _, _ = _coupled_problem(gen)
+    diag = kron.precision_diag()
+    start = {k: p.detach().clone() for k, p in model.named_parameters()}
+
+    def coupling(v):
+        return {k: t - diag[k] * v[k] for k, t in kron.precision_matvec(v).items()}
+
+    def fresh():
+        with torch.no_grad():
+            for k, p in model.named_parameters():
+                p.copy_(start[k])
+        opt = BayesianLearningRule(model, DiagPosterior(kron.mean, 1.0), n_data=closure.x.shape[0], lr=0.3,
+                                   rho=0.5, mc_samples=0, curvature="ggn", debias=True, beta1=0.9, coupling_every=3)
+        opt.set_prior(DiagPosterior(kron.mean, diag), coupling)
+        return opt
+
+    opt = fresh()
+    for _ in range(9):
+        opt.step(closure)
+    straight = flatten(opt.posterior().mean)
+    opt = fresh()
+    for _ in range(5):
+        opt.step(closure)
+    state, weights = opt.state_dict(), {k: p.detach().clone() for k, p in model.named_parameters()}
+    opt = fresh()
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            p.copy_(weights[k])
+    opt.load_state_dict(state)
+    for _ in range(4):
+        opt.step(closure)
+    assert torch.equal(flatten(opt.posterior().mean), straight)
+
+
+def _classification_run(kfac_terms: str) -> object:
+    """Two tasks of a 3-class linear softmax model (float64, delta method, full batches), carry kfac; the method."""
+    from continual_blr.data.synthetic import synthetic_stream
+
+    stream = synthetic_stream(n_tasks=2, n_classes_per_task=3, n_features=4, n_train=60, n_test=10,
+                              scenario="domain", seed=1)
+    for t in stream.tasks:
+        t.x_train, t.x_test = t.x_train.to(DT), t.x_test.to(DT)
+    method = build_method("blr", BASE | {"carry": "kfac", "kfac_terms": kfac_terms, "ess_factor": 1.0,
+                                         "temperature": 0.5}, seed=0)
+    model = build_model("linear", stream.input_shape, stream.n_outputs, stream.n_heads,
+                        generator=torch.Generator().manual_seed(0)).to(DT)
+    run_stream(model, stream, method, TrainConfig(epochs=30, batch_size=60), progress=False)
+    return method
+
+
+def test_the_merged_kfac_carry_is_the_nearest_kronecker_product_of_the_kept_terms():
+    """After two tasks the ``"all"`` carry holds two terms; the ``"merged"`` one holds one, equal (to the solve tier)
+    to the SVD's best rank-one approximation of their sum; the merge is not the identity here (the two terms'
+    sum is more than 1e-3 away from it)."""
+    kept = _classification_run("all").kron_prior
+    merged = _classification_run("merged").kron_prior
+    ((_, _, terms),) = kept.blocks
+    ((_, _, (one,)),) = merged.blocks
+    assert len(terms) == 2
+    total = sum(torch.einsum("jk,pq->jkpq", a, g) for a, g in terms)
+    n_in, n_out = total.shape[0], total.shape[2]
+    u, sv, vh = torch.linalg.svd(total.reshape(n_in * n_in, n_out * n_out))
+    oracle = (sv[0] * torch.outer(u[:, 0], vh[0])).reshape(total.shape)
+    torch.testing.assert_close(torch.einsum("jk,pq->jkpq", *one), oracle, **SOLVE)
+    assert float((total - oracle).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("ess, temperature", [(1.0, 1.0), (2.0, 0.25)])
+def test_with_one_output_the_merged_kfac_carry_is_the_exact_precision(ess, temperature):
+    """One output (G is 1 × 1): Σ_t A_t ⊗ g_t = (Σ_t g_t A_t) ⊗ 1 is itself a Kronecker product, so the merged carry
+    equals δI + (e/T) Σ_s X̃_sᵀX̃_s/σ² to the exact tier, one term per layer."""
+    stream = _stream()
+    precs, _, method = _run(BASE | {"carry": "kfac", "kfac_terms": "merged", "ess_factor": ess,
+                                    "temperature": temperature}, stream, 5)
+    exact = DELTA * torch.eye(4, dtype=DT) + (ess / temperature) * sum(
+        _design(t).T @ _design(t) for t in stream.tasks) / SIGMA**2
+    torch.testing.assert_close(precs[-1], exact, **EXACT)
+    assert all(len(terms) == 1 for _, _, terms in method.kron_prior.blocks)
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"carry": "kfac", "kfac_terms": "some"}, r"^params.kfac_terms: got 'some'; allowed: 'all', 'merged'$"),
+    ({"carry": "kfac", "coupling_every": 0}, r"^params.coupling_every: must be an integer >= 1, got 0$"),
+    ({"carry": "ggn", "kfac_terms": "merged"}, r"^params.kfac_terms: applies to carry 'kfac' only \(carry is 'ggn'\)$"),
+    ({"coupling_every": 4}, r"^params.coupling_every: applies to carry 'kfac' only \(carry is 'average'\)$"),
+])
+def test_bad_kfac_settings_are_one_line_errors(params, message):
+    with pytest.raises(ValueError, match=message):
+        BLRParams(**params)

@@ -185,3 +185,16 @@ def test_nearest_kronecker_is_invariant_to_how_each_term_splits_its_scale(gen):
     split = [(1e20 * terms[0][0], terms[0][1] / 1e20), (terms[1][0] / 1e15, 1e15 * terms[1][1]), terms[2]]
     a2, g2 = nearest_kronecker(split)
     torch.testing.assert_close(torch.kron(a2, g2), ref, rtol=1e-4, atol=0)
+
+
+def test_nearest_kronecker_leaves_out_terms_with_a_zero_factor(gen):
+    """A term with G = 0 (an unused head's K-FAC term) adds nothing: the product of [T₁, T₂, (A, 0)] is that of
+    [T₁, T₂] to the exact tier, [T₁, (0, G)] returns T₁ itself, and terms that are all zero give the zero product,
+    not NaN. Planted once: without the filter the all-zero case raises (eig of a NaN matrix)."""
+    t1, t2 = (_spd(3, gen), _spd(2, gen)), (_spd(3, gen), _spd(2, gen))
+    dead_g, dead_a = (_spd(3, gen), torch.zeros(2, 2, dtype=DT)), (torch.zeros(3, 3, dtype=DT), _spd(2, gen))
+    torch.testing.assert_close(torch.kron(*nearest_kronecker([t1, t2, dead_g])),
+                               torch.kron(*nearest_kronecker([t1, t2])), **EXACT)
+    torch.testing.assert_close(torch.kron(*nearest_kronecker([t1, dead_a])), torch.kron(*t1), **EXACT)
+    a, g_ = nearest_kronecker([dead_g, dead_a])
+    assert torch.equal(torch.kron(a, g_), torch.zeros(6, 6, dtype=DT))

@@ -240,6 +240,19 @@ def test_the_kfac_carry_resumes_exactly(name, calls, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name, calls", [("fit_task", 2), ("train_step", 8 + 3)], ids=["boundary", "mid-task"])
+def test_the_merged_kfac_carry_with_a_reused_coupling_resumes_exactly(name, calls, tmp_path, monkeypatch):
+    """IVON with ``kfac_terms: merged`` and ``coupling_every: 2`` (the native fused step is off here) interrupted
+    at / inside task 2 resumes from task 2's start and equals the uninterrupted run: the checkpoint carries the
+    merged Kronecker prior. Planted once, a load that ignores the saved Kronecker prior fails both cases. (The
+    reused coupling is reset at every task end, so a boundary checkpoint never holds one; a mid-task optimiser
+    state is checked in ``test_blr_structured_prior.py``.)"""
+    method = "{name: ivon, params: {carry: kfac, kfac_terms: merged, coupling_every: 2, temperature: 0.1}}"
+    ref, out = _run_interrupt_resume(tmp_path, monkeypatch, method, name, calls)
+    _same(_load(ref / "ivon" / "model.pt"), _load(out / "ivon" / "model.pt"), "model")
+    _same(_load(ref / "ivon" / "method.pt"), _load(out / "ivon" / "method.pt"), "method")
+
+
+@pytest.mark.parametrize("name, calls", [("fit_task", 2), ("train_step", 8 + 3)], ids=["boundary", "mid-task"])
 def test_the_pooled_weight_noise_resumes_exactly(name, calls, tmp_path, monkeypatch):
     """The BLR with ``noise: pooled`` (the pool redrawn every 3 steps, so redraws fall on both sides of the
     interruption) interrupted at / inside its 2nd task and resumed equals the uninterrupted run: the checkpoint

@@ -24,9 +24,10 @@ from ..posteriors import DiagPosterior, GaussianPosterior, KronPosterior, kron_l
 from ..types import Structure, parse_enum
 from .base import Method, TrainConfig
 
-__all__ = ["BLRParams", "BLRMethod", "CARRIES", "TASK_START_MEANS", "redraw_layers"]
+__all__ = ["BLRParams", "BLRMethod", "CARRIES", "KFAC_TERMS", "TASK_START_MEANS", "redraw_layers"]
 
 CARRIES = ("average", "ggn", "kfac")
+KFAC_TERMS = ("all", "merged")
 TASK_START_MEANS = ("carry", "reinit")
 
 
@@ -90,6 +91,16 @@ class BLRParams:
             Diagonal structure.
         carry_examples: n, the examples of the ``"ggn"`` / ``"kfac"`` carry (None: all of the task's training
             data).
+        kfac_terms: the ``"kfac"`` carry's terms per layer: ``"all"`` (each task's A_t ⊗ G_t kept, so the coupling
+            costs K Kronecker products per layer per step after K tasks) or ``"merged"`` (after every task a
+            layer's terms are replaced by their nearest Kronecker product in Frobenius norm,
+            argmin ‖Σ_t A_t ⊗ G_t − A ⊗ G‖_F (:meth:`~continual_blr.posteriors.KronPosterior.merged`; Van Loan &
+            Pitsianis 1993): one product per layer per step whatever the number of tasks — a different Gaussian
+            prior, exact while a layer holds one term).
+        coupling_every: k: the ``"kfac"`` coupling R(m − m₀) is recomputed on every k-th step of a task and reused
+            on the others (``BayesianLearningRule(coupling_every=k)``): the pull is at most k − 1 steps stale, and
+            at a fixed point, where m stops moving, it is the exact one, so the fixed point is unchanged; the
+            coupling's cost is divided by k.
         curvature_every: k: estimate ĥ on every k-th step only (diagonal structure, not ``"price"``), D updated
             there at the rate 1 − (1 − ρ)ᵏ; the other steps cost a forward and backward
             (``BayesianLearningRule(curvature_every=k)``; the fixed point is unchanged).
@@ -129,6 +140,8 @@ class BLRParams:
     noise: str = "gaussian"
     noise_refresh: int = 64
     task_start_mean: str = "carry"
+    kfac_terms: str = "all"
+    coupling_every: int = 1
 
     def __post_init__(self) -> None:
         s = parse_enum(Structure, self.structure, "params.structure")
@@ -147,6 +160,14 @@ class BLRParams:
             raise ValueError(f"params.carry: {self.carry!r} needs structure 'diag'")
         if self.carry_examples is not None and not (isinstance(self.carry_examples, int) and self.carry_examples >= 1):
             raise ValueError(f"params.carry_examples: must be an integer >= 1 or null, got {self.carry_examples!r}")
+        if self.kfac_terms not in KFAC_TERMS:
+            raise ValueError(f"params.kfac_terms: got {self.kfac_terms!r}; allowed: {', '.join(map(repr, KFAC_TERMS))}")
+        if not (isinstance(self.coupling_every, int) and not isinstance(self.coupling_every, bool)
+                and self.coupling_every >= 1):
+            raise ValueError(f"params.coupling_every: must be an integer >= 1, got {self.coupling_every!r}")
+        if self.carry != "kfac" and (self.kfac_terms != "all" or self.coupling_every != 1):
+            field = "kfac_terms" if self.kfac_terms != "all" else "coupling_every"
+            raise ValueError(f"params.{field}: applies to carry 'kfac' only (carry is {self.carry!r})")
         if self.curvature not in CURVATURES or self.curvature == "hessian":
             allowed = ", ".join(repr(c) for c in CURVATURES if c != "hessian")
             raise ValueError(f"params.curvature: got {self.curvature!r}; allowed: {allowed}")
@@ -206,6 +227,7 @@ class BLRMethod(Method):
             curvature=p.curvature, init_precision=init, generator=self.generator, clip_radius=p.clip_radius,
             debias=p.precision_debias, damping=p.damping, init_hess=p.init_hess, fused=p.fused_step,
             curvature_every=p.curvature_every, noise=p.noise, noise_refresh=p.noise_refresh,
+            coupling_every=p.coupling_every,
         )
         if p.carry == "kfac":  # task 1's prior N(0, δ⁻¹ I) in Kronecker form (no terms: no coupling yet)
             names = list(self.optimizer.names)
@@ -267,7 +289,7 @@ class BLRMethod(Method):
         """N(m, S̃₀ + (λ/n) C / T): the Kronecker carried prior with this task's K-FAC GGN C (``params.carry``) of n
         examples (all, or ``carry_examples`` drawn with the method's generator) at the mean m, λ = ess_factor·N_t,
         Λ_i the method's likelihood (as :meth:`ggn_carry`). Layers the old prior did not hold (new heads) start
-        from its δ."""
+        from its δ. With ``kfac_terms: merged`` each layer's terms become their nearest Kronecker product."""
         assert self.optimizer is not None and self.kron_prior is not None
         old = self.kron_prior
         names = list(self.optimizer.names)
@@ -285,7 +307,8 @@ class BLRMethod(Method):
         blocks = [(w, b, terms.get(w, [])) for w, b in kron_layers(model, names)]
         in_blocks = {w for w, _, _ in blocks} | {b for _, b, _ in blocks if b is not None}
         diag = {k: old.diag[k] if k in old.diag else torch.zeros_like(mean[k]) for k in names if k not in in_blocks}
-        return KronPosterior(mean, blocks, diag, old.delta).add_precision(c, scale)
+        carried = KronPosterior(mean, blocks, diag, old.delta).add_precision(c, scale)
+        return carried.merged() if self.params.kfac_terms == "merged" else carried
 
     def _install_kron_prior(self) -> None:
         """The optimiser's prior becomes the Kronecker prior's diagonal, N(m₀, diag(S̃₀)⁻¹), with the coupling

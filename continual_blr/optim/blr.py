@@ -235,6 +235,10 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
             pool redrawn every ``noise_refresh`` steps (32 × fewer generator draws; the same first and second
             moments given the past, so the same fixed point on a quadratic loss). Diagonal structure.
         noise_refresh: R ≥ 1, steps between redraws of the ``"pooled"`` noise's pool.
+        coupling_every: k ≥ 1: a structured prior's coupling R(m − m₀) (:meth:`set_prior`) is computed on every
+            k-th step of a task (the first included) and the same vector reused on the steps between: a pull at
+            most k − 1 steps stale, the same at a fixed point (where m no longer moves), so the fixed point is
+            unchanged, at 1/k of the coupling's cost.
     """
 
     def __init__(
@@ -257,6 +261,7 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
         curvature_every: int = 1,
         noise: str = "gaussian",
         noise_refresh: int = 64,
+        coupling_every: int = 1,
     ) -> None:
         _check_settings(prior, n_data, lr, rho, beta1, mc_samples, clip_radius, damping, init_hess, curvature,
                         curvature_every)
@@ -264,6 +269,8 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
             raise ValueError(f"noise: got {noise!r}; allowed: {', '.join(map(repr, NOISES))}")
         if noise == "pooled" and prior.structure != Structure.DIAG:
             raise ValueError(f"noise: 'pooled' is for the diagonal structure, got {prior.structure.value!r}")
+        if not (isinstance(coupling_every, int) and not isinstance(coupling_every, bool) and coupling_every >= 1):
+            raise ValueError(f"coupling_every: must be an integer >= 1, got {coupling_every!r}")
         named = dict(model.named_parameters())
         missing = [k for k in prior.mean if k not in named]
         if missing:
@@ -300,6 +307,8 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
         self._clip_total = 0
         self._parallel = DataParallelStep()  # per-step data-parallel scales (rank_samples lives there)
         self.prior_coupling: Coupling | None = None  # R = S₀ − diag(S₀) of a structured prior (set_prior)
+        self.coupling_every = coupling_every
+        self._coupling_cache: Tensor | None = None  # the last R(m − m₀), flat (reused for coupling_every − 1 steps)
 
     def rebuild(self, model: nn.Module, prior: GaussianPosterior, init_precision: GaussianPosterior) -> None:
         """Re-initialise this optimiser in place over ``prior``'s parameters (e.g. with new heads added),
@@ -319,6 +328,7 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
             generator=self.generator, clip_radius=self.clip_radius, debias=self.debias, damping=self.damping,
             init_hess=self.init_hess, fused=self.fused, curvature_every=self.curvature_every,
             noise=self.noise, noise_refresh=pool.refresh if pool is not None else 64,
+            coupling_every=self.coupling_every,
         )
         self.kron_iters = kron_iters
         self._parallel = parallel
@@ -387,6 +397,7 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
         if coupling is not None and prior.structure != Structure.DIAG:
             raise ValueError(f"set_prior: a coupling is for a diagonal prior, got {prior.structure.value!r}")
         self.prior_coupling = coupling
+        self._coupling_cache = None
         self.prior = prior
         self._data = data_like(prior, 0.0)
         self._avg = None
@@ -533,6 +544,7 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
             "t": self._t,
             "momentum": _copied(self._momentum),
             "noise": self._pool.state_dict() if self._pool is not None else None,
+            "coupling": None if self._coupling_cache is None else self._coupling_cache.clone(),
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
         }
 
@@ -547,6 +559,7 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
         self._momentum = state["momentum"]
         if self._pool is not None and state.get("noise") is not None:
             self._pool.load_state_dict(state["noise"])
+        self._coupling_cache = state.get("coupling")  # absent (older states): recomputed on the next step
         for g, saved in zip(self.param_groups, state["param_groups"]):
             g.update(saved)
 

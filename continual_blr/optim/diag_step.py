@@ -89,7 +89,7 @@ class DiagStepMixin:
         # anything fails before).
         module = (price and n_mc == 1 and self.module_step and self._covers_all and not self._parallel.active
                   and type(closure) is BatchClosure and closure.penalty is None and closure.model is self.model)
-        if module and self.fused and self.prior_coupling is None:  # on CPU with a C compiler: the native loop (native.py)
+        if module and self.fused:  # on CPU with a C compiler: the native loop (native.py)
             kernel = native_update(mean_list[0].dtype, mean_list[0].device, positivity=True, h_from_sample=True,
                                    momentum=beta1 > 0, clip=self.clip_radius is not None, damping=self.damping > 0,
                                    fresh=fresh, separate=flat.avg is not None)
@@ -205,10 +205,16 @@ class DiagStepMixin:
         return loss_sum / n_mc  # type: ignore[return-value]
 
     def _coupling_term(self, flat: FlatDiagState, mean: Tensor) -> Tensor:
-        """R(m − m₀) as one flat vector (zero on the parameters the coupling does not name)."""
+        """R(m − m₀) as one flat vector (zero on the parameters the coupling does not name), computed on the task's
+        steps t ≡ 0 (mod ``coupling_every``) and otherwise the vector of the last one (``BayesianLearningRule``)."""
+        cached = self._coupling_cache
+        if cached is not None and self._t % self.coupling_every != 0 and cached.shape == mean.shape:
+            return cached
         pulled = self.prior_coupling(flat.views(mean - flat.m0))  # type: ignore[misc]
-        return torch.cat([pulled[k].reshape(-1) if k in pulled else torch.zeros(n, dtype=mean.dtype, device=mean.device)
+        term = torch.cat([pulled[k].reshape(-1) if k in pulled else torch.zeros(n, dtype=mean.dtype, device=mean.device)
                           for k, n in zip(flat.names, flat.numels)])
+        self._coupling_cache = term if self.coupling_every > 1 else None
+        return term
 
     def _module_backward(self, closure: BatchClosure, grads: list[Tensor]) -> Tensor:
         """The module path's forward at the weights the model holds and one backward of (N/B) Σ_i ℓ_i into
@@ -263,9 +269,11 @@ class DiagStepMixin:
             with torch.enable_grad():
                 loss = self._module_backward(closure, link.grad_views)
             t, use_mom, scalars = self._step_scalars(flat, lr, rho, beta1, fresh)
+            # a structured prior's pull R(m − m₀) joins the direction only; ĥ is formed from the data gradient g
+            g_dir = g if self.prior_coupling is None else g + self._coupling_term(flat, mean)
             ok, n_clip = False, 0
             if bool(torch.isfinite(loss)):
-                ok, n_clip = kernel(g, g, mean, w, flat.m0, flat.s0, flat.data, flat.avg if flat.avg is not None else g,
+                ok, n_clip = kernel(g_dir, g, mean, w, flat.m0, flat.s0, flat.data, flat.avg if flat.avg is not None else g,
                                     flat.mom if use_mom else g, eps, flat.r, scalars)
         except BaseException:
             w.copy_(mean)

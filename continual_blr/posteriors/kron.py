@@ -67,11 +67,17 @@ def nearest_kronecker(terms: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tenso
     M_G M_A, and G = Σ_i ⟨A_i, A⟩ G_i / ‖A‖². For PSD factors all Gram entries are ≥ 0, so c ≥ 0
     (Perron–Frobenius) and A, G stay PSD.
 
+    Terms with a zero factor (e.g. an unused head's G = 0 in a task-incremental stream) add nothing to the sum
+    and are left out; if every term has one, the nearest product is the zero term (0 · A₁, 0 · G₁).
+
     Returns:
         (A, G). For a single term, that term.
     """
     if len(terms) == 1:
         return terms[0]
+    live = [(a, g) for a, g in terms if bool(a.any()) and bool(g.any())]
+    if len(live) < len(terms):
+        return nearest_kronecker(live) if live else (torch.zeros_like(terms[0][0]), torch.zeros_like(terms[0][1]))
     # Work with unit-norm factors and weights w_k = ‖A_k‖‖G_k‖ / max_k(…): R = Σ_k w_k vec(Â_k) vec(Ĝ_k)ᵀ, so c is
     # the leading eigenvector of W M_Ĝ W M_Â. Same result; the Gram products cannot overflow float32 when the
     # precision itself is large (≈1e19 per factor would overflow ⟨A_i, A_j⟩⟨G_j, G_k⟩ directly).
