@@ -100,7 +100,9 @@ class BLRParams:
         coupling_every: k: the ``"kfac"`` coupling R(m − m₀) is recomputed on every k-th step of a task and reused
             on the others (``BayesianLearningRule(coupling_every=k)``): the pull is at most k − 1 steps stale, and
             at a fixed point, where m stops moving, it is the exact one, so the fixed point is unchanged; the
-            coupling's cost is divided by k.
+            coupling's cost is divided by k. The trajectory within a finite budget is not the same: a pull frozen
+            for k − 1 steps is a delayed feedback, and on permuted MNIST k = 4 let the old tasks drift
+            (``docs/methods_weight_space.md``).
         curvature_every: k: estimate ĥ on every k-th step only (diagonal structure, not ``"price"``), D updated
             there at the rate 1 − (1 − ρ)ᵏ; the other steps cost a forward and backward
             (``BayesianLearningRule(curvature_every=k)``; the fixed point is unchanged).
