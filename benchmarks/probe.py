@@ -9,7 +9,7 @@ the record's commit):
 The probe is the record's config (its stream, model, method, seed, train settings) with every task cut to its
 first ``--train`` training and ``--test`` test examples (at most ``--conv-examples`` of each for a conv net) and at
 most ``--epochs`` epochs,
-on the CPU with one thread. Several records are probed one after the other in one process (torch is imported
+on the CPU with one thread, saved into a scratch run folder as the record's run was saved. Several records are probed one after the other in one process (torch is imported
 once); module and class bodies, which run at import, count for each. It writes a JSON list, one item per record: the
 fingerprint of the code it executed (``fingerprint.py``, hashed in
 the sources under ``--root``), the accuracy matrix and the per-task training losses (floats, exact in JSON). Two
@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -102,9 +103,12 @@ def main(argv: list[str] | None = None) -> int:
         if "epochs" in (cfg.methods[0].train or {}):
             cfg.methods[0].train = dict(cfg.methods[0].train, epochs=epochs)
         cfg.stream.data_dir = args.data_dir or cfg.stream.data_dir
-        cfg.device, cfg.out, cfg.progress = "cpu", None, False
-        with ExecutedCode(pkg) as executed:
-            result = runner.run_config(cfg, save=False)[0]  # traced in every epoch: the probe is short
+        cfg.device, cfg.progress = "cpu", False
+        # saved into a scratch run folder, as a record's run saves (reproduce.py --work-dir: a checkpoint at every
+        # task boundary), so the code that writes it (the methods' and optimisers' state_dicts) is reached too
+        with tempfile.TemporaryDirectory() as scratch, ExecutedCode(pkg) as executed:
+            cfg.out = str(Path(scratch) / "run")
+            result = runner.run_config(cfg, save=True)[0]  # traced in every epoch: the probe is short
         tracers.append(executed)
         outs.append({"record": str(record_path), "epochs": epochs, "acc_matrix": result.acc_matrix,
                      "train_loss": result.train_loss, "entries": executed.entries()})
