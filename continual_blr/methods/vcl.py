@@ -270,6 +270,8 @@ class VCLMethod(Method):
             noise="gaussian",  # fresh N(0, I) weight samples each step (optim.noise)
             noise_refresh=64,
             task_start_mean="carry",  # VCL starts each task at q_{t−1}'s mean
+            kfac_terms="all",  # no Kronecker carry: q_t is mean-field
+            coupling_every=1,
         )
 
     def blr_params(self) -> BLRParams:
