@@ -37,7 +37,7 @@ import torch
 
 from continual_blr.data.stream import Task
 from continual_blr.loop import train_step
-from continual_blr.methods import TrainConfig, build_method
+from continual_blr.methods import IVONParams, TrainConfig, build_method
 from continual_blr.models import MLP
 from continual_blr.types import Batch
 
@@ -171,11 +171,11 @@ def end_to_end(data_dir: str | None, quick: bool, benchmark: str = "split_mnist"
             rows.append((m, m, {}))
             if m == "ivon":  # IVON's step as one compiled loop, with either weight noise (the config's numbers move);
                 # a variant the config already is (its own params) is not run twice
-                own = _split_mnist_config(m, data_dir, quick, benchmark).methods[0].params
+                own = IVONParams(**_split_mnist_config(m, data_dir, quick, benchmark).methods[0].params)
                 rows += [(label, m, extra) for label, extra in
                          ((f"{m}, fused_step", {"fused_step": True}),
                           (f"{m}, fused_step, noise pooled", {"fused_step": True, "noise": "pooled"}))
-                         if any(own.get(k, False if k == "fused_step" else "gaussian") != v for k, v in extra.items())]
+                         if any(getattr(own, k) != v for k, v in extra.items())]
             if m == "blr_price":  # the Price route with the other weight noise (optim.noise), same process
                 other = "gaussian" if _split_mnist_config(m, data_dir, quick, benchmark).methods[0].params.get(
                     "noise", "gaussian") == "pooled" else "pooled"
