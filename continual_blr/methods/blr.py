@@ -103,6 +103,11 @@ class BLRParams:
             coupling's cost is divided by k. The trajectory within a finite budget is not the same: a pull frozen
             for k − 1 steps is a delayed feedback, and on permuted MNIST k = 4 let the old tasks drift
             (``docs/methods_weight_space.md``).
+        coupling_rank: r: the ``"kfac"`` coupling uses each input factor's r largest eigenpairs, the rest of the
+            factor kept on the diagonal only (:meth:`~continual_blr.posteriors.KronPosterior.coupling`): the
+            prior is then a different PSD precision S̃_r with the same diagonal diag(S̃₀) (so the same weight
+            samples and precision), and the same fixed point as the exact coupling under S̃_r. The product costs
+            O(d_out d_in r) instead of O(d_out d_in²); None (default): exact (S̃_r = S̃₀, as for r ≥ d_in).
         curvature_every: k: estimate ĥ on every k-th step only (diagonal structure, not ``"price"``), D updated
             there at the rate 1 − (1 − ρ)ᵏ; the other steps cost a forward and backward
             (``BayesianLearningRule(curvature_every=k)``; the fixed point is unchanged).
@@ -144,6 +149,7 @@ class BLRParams:
     task_start_mean: str = "carry"
     kfac_terms: str = "all"
     coupling_every: int = 1
+    coupling_rank: int | None = None
 
     def __post_init__(self) -> None:
         s = parse_enum(Structure, self.structure, "params.structure")
@@ -167,8 +173,14 @@ class BLRParams:
         if not (isinstance(self.coupling_every, int) and not isinstance(self.coupling_every, bool)
                 and self.coupling_every >= 1):
             raise ValueError(f"params.coupling_every: must be an integer >= 1, got {self.coupling_every!r}")
-        if self.carry != "kfac" and (self.kfac_terms != "all" or self.coupling_every != 1):
-            field = "kfac_terms" if self.kfac_terms != "all" else "coupling_every"
+        if self.coupling_rank is not None and not (isinstance(self.coupling_rank, int)
+                                                   and not isinstance(self.coupling_rank, bool)
+                                                   and self.coupling_rank >= 1):
+            raise ValueError(f"params.coupling_rank: must be an integer >= 1 or null, got {self.coupling_rank!r}")
+        if self.carry != "kfac" and (self.kfac_terms != "all" or self.coupling_every != 1
+                                     or self.coupling_rank is not None):
+            field = ("kfac_terms" if self.kfac_terms != "all" else "coupling_every" if self.coupling_every != 1
+                     else "coupling_rank")
             raise ValueError(f"params.{field}: applies to carry 'kfac' only (carry is {self.carry!r})")
         if self.curvature not in CURVATURES or self.curvature == "hessian":
             allowed = ", ".join(repr(c) for c in CURVATURES if c != "hessian")
@@ -324,6 +336,8 @@ class BLRMethod(Method):
             full = prior.precision_matvec({k: v[k] for k in prior.mean})
             return {k: full[k] - diag[k] * v[k] for k in full}
 
+        if coupled and self.params.coupling_rank is not None:  # S̃_r's coupling (BLRParams.coupling_rank)
+            coupling = prior.coupling(self.params.coupling_rank)  # type: ignore[assignment]
         self.optimizer.set_prior(DiagPosterior(dict(prior.mean), diag), coupling if coupled else None)
 
     def epoch_stats(self) -> dict[str, float]:

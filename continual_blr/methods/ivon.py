@@ -65,8 +65,9 @@ class IVONParams:
             diagonal GGN of the task's data at the mean) or ``"kfac"`` (a Kronecker-factored carried prior from
             the task's K-FAC GGN at the mean; ``BLRParams.carry``).
         carry_examples: examples of the ``"ggn"`` / ``"kfac"`` carry (None: all of the task's).
-        kfac_terms, coupling_every: the ``"kfac"`` carry's terms per layer (``"all"`` or ``"merged"``) and the
-            steps between recomputations of its coupling (``BLRParams.kfac_terms``, ``BLRParams.coupling_every``).
+        kfac_terms, coupling_every, coupling_rank: the ``"kfac"`` carry's terms per layer (``"all"`` or
+            ``"merged"``), the steps between recomputations of its coupling and the input factors' rank in it
+            (``BLRParams.kfac_terms``, ``BLRParams.coupling_every``, ``BLRParams.coupling_rank``).
         noise, noise_refresh: the weight samples' ε, ``"gaussian"`` or ``"pooled"`` (``BLRParams.noise``).
     """
 
@@ -88,6 +89,7 @@ class IVONParams:
     noise_refresh: int = 64
     kfac_terms: str = "all"
     coupling_every: int = 1
+    coupling_rank: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.beta2 < 1:
@@ -103,6 +105,7 @@ class IVONParams:
             curvature="price", precision_debias=self.debias, damping=0.0, init_hess=self.hess_init,
             fused_step=self.fused_step, carry=self.carry, carry_examples=self.carry_examples, noise=self.noise,
             noise_refresh=self.noise_refresh, kfac_terms=self.kfac_terms, coupling_every=self.coupling_every,
+            coupling_rank=self.coupling_rank,
         )
 
 

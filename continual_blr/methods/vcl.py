@@ -272,6 +272,7 @@ class VCLMethod(Method):
             task_start_mean="carry",  # VCL starts each task at q_{t−1}'s mean
             kfac_terms="all",  # no Kronecker carry: q_t is mean-field
             coupling_every=1,
+            coupling_rank=None,
         )
 
     def blr_params(self) -> BLRParams:

@@ -40,14 +40,14 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from ..types import KronCurvature, ParamDict, Structure, flatten
 from .base import GaussianPosterior, randn_like
-from .kron_solve import CG_MAX_ITER, Eig, cg_tolerance, eig_solve, kron_eig, kron_matvec, pcg, psd_sqrt
+from .kron_solve import CG_MAX_ITER, Eig, cg_tolerance, eig_solve, eigh, kron_eig, kron_matvec, pcg, psd_sqrt
 
 __all__ = ["KronPosterior", "nearest_kronecker", "kron_layers"]
 
@@ -174,6 +174,51 @@ class KronPosterior(GaussianPosterior):
         """
         blocks = [(w, b, [nearest_kronecker(terms)] if terms else []) for w, b, terms in self.blocks]
         return KronPosterior(self.mean, blocks, self.diag, self.delta)
+
+    def coupling(self, rank: int | None = None) -> Callable[[ParamDict], ParamDict]:
+        """v ↦ R v, the off-diagonal part of the precision, R = S_r − diag(S), for a coupled diagonal step.
+
+        Per term (A_k, G_k) of a block, A_k = U Λ Uᵀ is cut to its ``rank`` largest eigenpairs A_k⁽ʳ⁾ = U_r Λ_r U_rᵀ
+        and the rest A_k − A_k⁽ʳ⁾ (PSD) is kept on the diagonal only:
+
+            S_r = Σ_k [G_k ⊗ A_k⁽ʳ⁾ + Diag(diag(G_k) ⊗ diag(A_k − A_k⁽ʳ⁾))] + δI   (+ the diagonal parameters)
+
+        a PSD precision whose diagonal is diag(S) exactly (:meth:`precision_diag`) and which is S itself when
+        ``rank`` is None or at least every A_k's size. Then R Θ = Σ_k [G_k (Θ U_r) Λ_r U_rᵀ − (diag(G_k)
+        diag(A_k⁽ʳ⁾)ᵀ) ⊙ Θ], 4 d_out d_in r + 2 d_out² r flops per term instead of the exact product's
+        2 d_out d_in² + 2 d_out² d_in (for permuted MNIST's first layer, 785 inputs, rank 64: 23 against 139 MFLOP).
+        The eigendecompositions are made once, here (:func:`~continual_blr.posteriors.kron_solve.eigh`).
+        Parameters outside the blocks have no coupling (zero). ``v`` may carry leading batch axes.
+        """
+        if rank is not None and not (isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1):
+            raise ValueError(f"rank: must be an integer >= 1 or None, got {rank!r}")
+        cut: list[list[tuple[Tensor | None, Tensor, Tensor, Tensor]]] = []  # per term: (U_r, Λ_r, G, off), uncut (None, A, G, off)
+        for w, b, terms in self.blocks:
+            kept = []
+            for a, g in terms:
+                if rank is None or rank >= a.shape[0]:
+                    u, lam, a_r = None, a, a
+                else:
+                    lam_all, u_all = eigh(a)
+                    u, lam = u_all[:, -rank:], lam_all[-rank:]
+                    a_r = (u * lam) @ u.mT
+                kept.append((u, lam, g, torch.outer(torch.diagonal(g), torch.diagonal(a_r))))
+            cut.append(kept)
+
+        def matvec(v: ParamDict) -> ParamDict:
+            out: ParamDict = {}
+            for (w, b, _), kept in zip(self.blocks, cut):
+                theta = self._theta(v, w, b)
+                res = torch.zeros_like(theta)
+                for u, lam, g, off in kept:
+                    gt = g @ theta if u is None else g @ (theta @ u)
+                    res = res + (gt @ lam if u is None else (gt * lam) @ u.mT) - off * theta
+                self._split_theta(res, w, b, out, self._lead(v, w))
+            for k in self.diag:
+                out[k] = torch.zeros_like(v[k])
+            return out
+
+        return matvec
 
     # ----- layout helpers ----------------------------------------------------------------------
     def _lead(self, v: ParamDict, name: str) -> tuple[int, ...]:
