@@ -283,6 +283,73 @@ def test_a_coupling_reused_between_recomputations_keeps_the_exact_fixed_point(ge
     assert len(calls) == -(-steps // every)
 
 
+def _corrected_run(gen_seed: int, every: int, correction: str | None, steps: int, beta1: float = 0.9,
+                   save_at: int | None = None):
+    """The coupled regression with ρ 0.5 and momentum (a trajectory that moves), ``coupling_every`` k, and a
+    correction that is the exact coupling (``"exact"``) or the rank-1 cut (``"cut"``); the flat mean after ``steps``
+    (with ``save_at``: saved there and loaded into a fresh optimiser, then the rest of the steps)."""
+    model, kron, closure, _, exact = _coupled_problem(torch.Generator().manual_seed(gen_seed))
+    diag = kron.precision_diag()
+    start = {k: v.clone() for k, v in kron.mean.items()}  # the start m₀ (the model's own init is not seeded)
+
+    def coupling(v):
+        return {k: t - diag[k] * v[k] for k, t in kron.precision_matvec(v).items()}
+
+    corr = {"exact": coupling, "cut": kron.coupling(1), None: None}[correction]
+
+    def fresh():
+        with torch.no_grad():
+            for k, p in model.named_parameters():
+                p.copy_(start[k])
+        opt = BayesianLearningRule(model, DiagPosterior(kron.mean, 1.0), n_data=closure.x.shape[0], lr=0.3,
+                                   rho=0.5, mc_samples=0, curvature="ggn", debias=True, beta1=beta1,
+                                   coupling_every=every)
+        opt.set_prior(DiagPosterior(kron.mean, diag), coupling, corr)
+        return opt
+
+    opt = fresh()
+    for i in range(steps):
+        if save_at is not None and i == save_at:
+            state, weights = opt.state_dict(), {k: p.detach().clone() for k, p in model.named_parameters()}
+            opt = fresh()
+            with torch.no_grad():
+                for k, p in model.named_parameters():
+                    p.copy_(weights[k])
+            opt.load_state_dict(state)
+        opt.step(closure)
+    return flatten(opt.posterior().mean), exact
+
+
+def test_a_corrected_coupling_follows_the_every_step_coupling_and_keeps_the_fixed_point():
+    """``set_prior``'s ``correction`` R̃ with ``coupling_every`` 5: with R̃ = R the pull R(m_s − m₀) + R(m − m_s) is
+    R(m − m₀), so 40 steps follow the every-step coupling to round-off (the reused one, uncorrected, is more than
+    1e-6 away: the check can fail); with the rank-1 cut as R̃ the iteration still reaches the exact posterior mean
+    (the docstring's fixed point). Planted once each: the correction ignored fails the first; the correction
+    applied to m − m₀ instead of m − m_s fails the second."""
+    every_step, _ = _corrected_run(0, 1, None, 40)
+    corrected, _ = _corrected_run(0, 5, "exact", 40)
+    stale, _ = _corrected_run(0, 5, None, 40)
+    torch.testing.assert_close(corrected, every_step, rtol=1e-12, atol=1e-12)  # float64 sums regrouped
+    assert float((stale - every_step).abs().max()) > 1e-6
+    mean, exact = _corrected_run(0, 5, "cut", 3000, beta1=0.0)
+    torch.testing.assert_close(mean, exact, **SOLVE)
+
+
+def test_an_optimiser_state_saved_between_recomputations_carries_the_correction_anchor():
+    """Saved after 5 steps with ``coupling_every`` 3 and the rank-1 correction (the 6th step corrects the 4th's
+    coupling by R̃(m − m_4)) and loaded into a fresh optimiser: 4 more steps give the uninterrupted 9 steps' mean
+    bit for bit. Planted once: a load that drops the anchor m_s (the 6th step reuses without correcting) fails."""
+    straight, _ = _corrected_run(1, 3, "cut", 9)
+    resumed, _ = _corrected_run(1, 3, "cut", 9, save_at=5)
+    assert torch.equal(resumed, straight)
+
+
+def test_a_correction_needs_a_coupling(gen):
+    model, kron, _, opt, _ = _coupled_problem(gen)
+    with pytest.raises(ValueError, match=r"^set_prior: a correction needs a coupling$"):
+        opt.set_prior(DiagPosterior(kron.mean, kron.precision_diag()), None, kron.coupling(1))
+
+
 def test_an_optimiser_state_saved_between_recomputations_carries_the_reused_coupling(gen):
     """Saved after 5 steps with ``coupling_every`` 3 (the 6th step reuses the 4th's coupling) and loaded into a fresh
     optimiser, 4 more steps give the uninterrupted 9 steps' mean bit for bit. Planted once: a load that drops the
@@ -437,6 +504,19 @@ def test_the_method_couples_through_the_rank_cut_prior():
     assert float((got - flatten(method.kron_prior.coupling()(v))).abs().max()) > 1e-3
 
 
+def test_the_method_corrects_through_the_rank_cut_coupling():
+    """``coupling_every`` 2 with ``coupling_correction_rank`` 1 on the two-task classification run: after task 1 the
+    optimiser's correction is the carried prior's ``coupling(1)`` and its coupling the exact one. Planted once: the
+    correction not passed to ``set_prior`` failed."""
+    method = _classification_run("merged", coupling_every=2, coupling_correction_rank=1)
+    gen = torch.Generator().manual_seed(6)
+    v = {k: torch.randn(m.shape, generator=gen, dtype=DT) for k, m in method.kron_prior.mean.items()}
+    opt = method.optimizer
+    assert opt.prior_correction is not None
+    torch.testing.assert_close(flatten(opt.prior_correction(v)), flatten(method.kron_prior.coupling(1)(v)), **EXACT)
+    torch.testing.assert_close(flatten(opt.prior_coupling(v)), flatten(method.kron_prior.coupling()(v)), **EXACT)
+
+
 @pytest.mark.parametrize("params, message", [
     ({"carry": "kfac", "kfac_terms": "some"}, r"^params.kfac_terms: got 'some'; allowed: 'all', 'merged'$"),
     ({"carry": "kfac", "coupling_every": 0}, r"^params.coupling_every: must be an integer >= 1, got 0$"),
@@ -444,6 +524,13 @@ def test_the_method_couples_through_the_rank_cut_prior():
     ({"coupling_every": 4}, r"^params.coupling_every: applies to carry 'kfac' only \(carry is 'average'\)$"),
     ({"carry": "kfac", "coupling_rank": 0}, r"^params.coupling_rank: must be an integer >= 1 or null, got 0$"),
     ({"coupling_rank": 8}, r"^params.coupling_rank: applies to carry 'kfac' only \(carry is 'average'\)$"),
+    ({"carry": "kfac", "coupling_every": 4, "coupling_correction_rank": 0},
+     r"^params.coupling_correction_rank: must be an integer >= 1 or null, got 0$"),
+    ({"coupling_correction_rank": 8},
+     r"^params.coupling_correction_rank: applies to carry 'kfac' only \(carry is 'average'\)$"),
+    ({"carry": "kfac", "coupling_correction_rank": 8},
+     r"^params.coupling_correction_rank: corrects the steps between recomputations; needs coupling_every > 1 "
+     r"\(got 1\)$"),
 ])
 def test_bad_kfac_settings_are_one_line_errors(params, message):
     with pytest.raises(ValueError, match=message):

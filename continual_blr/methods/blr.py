@@ -108,6 +108,11 @@ class BLRParams:
             prior is then a different PSD precision S̃_r with the same diagonal diag(S̃₀) (so the same weight
             samples and precision), and the same fixed point as the exact coupling under S̃_r. The product costs
             O(d_out d_in r) instead of O(d_out d_in²); None (default): exact (S̃_r = S̃₀, as for r ≥ d_in).
+        coupling_correction_rank: r (with ``coupling_every`` k > 1): on the steps between two recomputations the
+            pull is R(m_s − m₀) + R_r(m − m_s), m_s the mean at the last recomputation and R_r the rank-r cut
+            coupling (as ``coupling_rank``), instead of the stale R(m_s − m₀) (``BayesianLearningRule.set_prior``'s
+            ``correction``): the cut errs on the change since m_s only, and at a fixed point (m = m_s) the pull
+            is exact, so the fixed point is that of the recomputed coupling. None (default): reuse as it is.
         curvature_every: k: estimate ĥ on every k-th step only (diagonal structure, not ``"price"``), D updated
             there at the rate 1 − (1 − ρ)ᵏ; the other steps cost a forward and backward
             (``BayesianLearningRule(curvature_every=k)``; the fixed point is unchanged).
@@ -150,6 +155,7 @@ class BLRParams:
     kfac_terms: str = "all"
     coupling_every: int = 1
     coupling_rank: int | None = None
+    coupling_correction_rank: int | None = None
 
     def __post_init__(self) -> None:
         s = parse_enum(Structure, self.structure, "params.structure")
@@ -177,11 +183,19 @@ class BLRParams:
                                                    and not isinstance(self.coupling_rank, bool)
                                                    and self.coupling_rank >= 1):
             raise ValueError(f"params.coupling_rank: must be an integer >= 1 or null, got {self.coupling_rank!r}")
+        if self.coupling_correction_rank is not None and not (isinstance(self.coupling_correction_rank, int)
+                                                              and not isinstance(self.coupling_correction_rank, bool)
+                                                              and self.coupling_correction_rank >= 1):
+            raise ValueError("params.coupling_correction_rank: must be an integer >= 1 or null, got "
+                             f"{self.coupling_correction_rank!r}")
         if self.carry != "kfac" and (self.kfac_terms != "all" or self.coupling_every != 1
-                                     or self.coupling_rank is not None):
+                                     or self.coupling_rank is not None or self.coupling_correction_rank is not None):
             field = ("kfac_terms" if self.kfac_terms != "all" else "coupling_every" if self.coupling_every != 1
-                     else "coupling_rank")
+                     else "coupling_rank" if self.coupling_rank is not None else "coupling_correction_rank")
             raise ValueError(f"params.{field}: applies to carry 'kfac' only (carry is {self.carry!r})")
+        if self.coupling_correction_rank is not None and self.coupling_every == 1:
+            raise ValueError("params.coupling_correction_rank: corrects the steps between recomputations; needs "
+                             "coupling_every > 1 (got 1)")
         if self.curvature not in CURVATURES or self.curvature == "hessian":
             allowed = ", ".join(repr(c) for c in CURVATURES if c != "hessian")
             raise ValueError(f"params.curvature: got {self.curvature!r}; allowed: {allowed}")
@@ -338,7 +352,9 @@ class BLRMethod(Method):
 
         if coupled and self.params.coupling_rank is not None:  # S̃_r's coupling (BLRParams.coupling_rank)
             coupling = prior.coupling(self.params.coupling_rank)  # type: ignore[assignment]
-        self.optimizer.set_prior(DiagPosterior(dict(prior.mean), diag), coupling if coupled else None)
+        r = self.params.coupling_correction_rank
+        correction = prior.coupling(r) if coupled and r is not None else None
+        self.optimizer.set_prior(DiagPosterior(dict(prior.mean), diag), coupling if coupled else None, correction)
 
     def epoch_stats(self) -> dict[str, float]:
         """``clipped_fraction``: the share of coordinate-steps the clip bounded in the epoch (with a clip only).

@@ -65,9 +65,9 @@ class IVONParams:
             diagonal GGN of the task's data at the mean) or ``"kfac"`` (a Kronecker-factored carried prior from
             the task's K-FAC GGN at the mean; ``BLRParams.carry``).
         carry_examples: examples of the ``"ggn"`` / ``"kfac"`` carry (None: all of the task's).
-        kfac_terms, coupling_every, coupling_rank: the ``"kfac"`` carry's terms per layer (``"all"`` or
-            ``"merged"``), the steps between recomputations of its coupling and the input factors' rank in it
-            (``BLRParams.kfac_terms``, ``BLRParams.coupling_every``, ``BLRParams.coupling_rank``).
+        kfac_terms, coupling_every, coupling_rank, coupling_correction_rank: the ``"kfac"`` carry's terms per
+            layer (``"all"`` or ``"merged"``), the steps between recomputations of its coupling, the input factors'
+            rank in it and in the correction between recomputations (``BLRParams``' fields of these names).
         noise, noise_refresh: the weight samples' ε, ``"gaussian"`` or ``"pooled"`` (``BLRParams.noise``).
     """
 
@@ -90,6 +90,7 @@ class IVONParams:
     kfac_terms: str = "all"
     coupling_every: int = 1
     coupling_rank: int | None = None
+    coupling_correction_rank: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.beta2 < 1:
@@ -105,7 +106,7 @@ class IVONParams:
             curvature="price", precision_debias=self.debias, damping=0.0, init_hess=self.hess_init,
             fused_step=self.fused_step, carry=self.carry, carry_examples=self.carry_examples, noise=self.noise,
             noise_refresh=self.noise_refresh, kfac_terms=self.kfac_terms, coupling_every=self.coupling_every,
-            coupling_rank=self.coupling_rank,
+            coupling_rank=self.coupling_rank, coupling_correction_rank=self.coupling_correction_rank,
         )
 
 

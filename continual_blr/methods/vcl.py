@@ -273,6 +273,7 @@ class VCLMethod(Method):
             kfac_terms="all",  # no Kronecker carry: q_t is mean-field
             coupling_every=1,
             coupling_rank=None,
+            coupling_correction_rank=None,
         )
 
     def blr_params(self) -> BLRParams:

@@ -238,7 +238,8 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
         coupling_every: k ≥ 1: a structured prior's coupling R(m − m₀) (:meth:`set_prior`) is computed on every
             k-th step of a task (the first included) and the same vector reused on the steps between: a pull at
             most k − 1 steps stale, the same at a fixed point (where m no longer moves), so the fixed point is
-            unchanged, at 1/k of the coupling's cost.
+            unchanged, at 1/k of the coupling's cost. With a ``correction`` (:meth:`set_prior`) the vector is
+            not reused as it is but corrected on the steps between.
     """
 
     def __init__(
@@ -309,6 +310,8 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
         self.prior_coupling: Coupling | None = None  # R = S₀ − diag(S₀) of a structured prior (set_prior)
         self.coupling_every = coupling_every
         self._coupling_cache: Tensor | None = None  # the last R(m − m₀), flat (reused for coupling_every − 1 steps)
+        self.prior_correction: Coupling | None = None  # a cheap R̃ for the steps between recomputations (set_prior)
+        self._coupling_anchor: Tensor | None = None  # the flat mean m_s the cached R(m_s − m₀) was computed at
 
     def rebuild(self, model: nn.Module, prior: GaussianPosterior, init_precision: GaussianPosterior) -> None:
         """Re-initialise this optimiser in place over ``prior``'s parameters (e.g. with new heads added),
@@ -321,7 +324,7 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
         kron_iters = self.kron_iters
         parallel = self._parallel
         pool = self._pool
-        coupling = self.prior_coupling
+        coupling, correction = self.prior_coupling, self.prior_correction
         BayesianLearningRule.__init__(
             self, model, prior, n_data=self.n_data, lr=group["lr"], rho=group["rho"], beta1=group["beta1"],
             mc_samples=self.mc_samples, curvature=self.curvature, init_precision=init_precision,
@@ -334,6 +337,7 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
         self._parallel = parallel
         self._pool = pool  # the noise stream goes on
         self.prior_coupling = coupling  # parameters it does not name get no coupling (new heads)
+        self.prior_correction = correction
 
     # ----- accessors ---------------------------------------------------------------------------
     def _params(self) -> dict[str, nn.Parameter]:
@@ -377,7 +381,8 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
             return {k: v.clamp_min(0) for k, v in avg.items()}
         return avg
 
-    def set_prior(self, prior: GaussianPosterior, coupling: Coupling | None = None) -> None:
+    def set_prior(self, prior: GaussianPosterior, coupling: Coupling | None = None,
+                  correction: Coupling | None = None) -> None:
         """Make ``prior`` the prior (e.g. the posterior of the task just finished).
 
         The data part restarts: at N h₀ I on the next step when ``init_hess`` is set, else at D = 0 (the
@@ -391,13 +396,23 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
         no sampling noise), while the precision and the weight samples keep diag(S̃₀) + D. For a quadratic loss
         the fixed point's mean is the exact posterior mean under S̃₀ (``tests/test_blr_structured_prior.py``).
         The coupling may name a subset of the parameters (the others get none); None: no coupling.
+
+        ``correction`` (with ``coupling_every`` k > 1): a cheaper operator R̃ ≈ R (e.g. a rank-cut coupling,
+        :meth:`~continual_blr.posteriors.KronPosterior.coupling`). On the steps between two recomputations the pull
+        is R(m_s − m₀) + R̃(m − m_s), with m_s the mean of the last recomputation, instead of R(m_s − m₀) alone:
+        the error is (R − R̃)(m − m_s), on the change since m_s only. At a fixed point m = m_s, so the pull is
+        the exact R(m − m₀) and the fixed point is unchanged; with R̃ = R the pull is R(m − m₀) on every step.
         """
         if set(prior.mean) != set(self.names) or prior.structure != self.prior.structure:
             raise ValueError("set_prior: the new prior must cover the same parameters in the same structure")
         if coupling is not None and prior.structure != Structure.DIAG:
             raise ValueError(f"set_prior: a coupling is for a diagonal prior, got {prior.structure.value!r}")
+        if correction is not None and coupling is None:
+            raise ValueError("set_prior: a correction needs a coupling")
         self.prior_coupling = coupling
+        self.prior_correction = correction
         self._coupling_cache = None
+        self._coupling_anchor = None
         self.prior = prior
         self._data = data_like(prior, 0.0)
         self._avg = None
@@ -545,6 +560,7 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
             "momentum": _copied(self._momentum),
             "noise": self._pool.state_dict() if self._pool is not None else None,
             "coupling": None if self._coupling_cache is None else self._coupling_cache.clone(),
+            "coupling_anchor": None if self._coupling_anchor is None else self._coupling_anchor.clone(),
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
         }
 
@@ -560,6 +576,7 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
         if self._pool is not None and state.get("noise") is not None:
             self._pool.load_state_dict(state["noise"])
         self._coupling_cache = state.get("coupling")  # absent (older states): recomputed on the next step
+        self._coupling_anchor = state.get("coupling_anchor")
         for g, saved in zip(self.param_groups, state["param_groups"]):
             g.update(saved)
 

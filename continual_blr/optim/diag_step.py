@@ -35,6 +35,12 @@ def _write(weights: list[Tensor], flat: FlatDiagState, vector: Tensor) -> None:
     torch._foreach_copy_(weights, [v.view_as(w) for v, w in zip(flat.split(vector), weights)])
 
 
+def _flat_pull(flat: FlatDiagState, pulled: dict[str, Tensor], mean: Tensor) -> Tensor:
+    """A coupling's output as one flat vector in ``flat``'s order, zero on the parameters it does not name."""
+    return torch.cat([pulled[k].reshape(-1) if k in pulled else torch.zeros(n, dtype=mean.dtype, device=mean.device)
+                      for k, n in zip(flat.names, flat.numels)])
+
+
 class DiagStepMixin:
     """The diagonal step and the clip's count, mixed into :class:`~continual_blr.optim.blr.BayesianLearningRule`
     (which owns the state these methods read: ``prior``, ``names``, ``_data``, ``_avg``, ``_momentum``,
@@ -45,6 +51,7 @@ class DiagStepMixin:
     _clip_total: int
     _pool: PooledNoise | None
     prior_coupling: Callable | None
+    prior_correction: Callable | None
     _flat_weights: FlatWeights | None = None
     prior: Any
     names: list[str]
@@ -206,14 +213,17 @@ class DiagStepMixin:
 
     def _coupling_term(self, flat: FlatDiagState, mean: Tensor) -> Tensor:
         """R(m − m₀) as one flat vector (zero on the parameters the coupling does not name), computed on the task's
-        steps t ≡ 0 (mod ``coupling_every``) and otherwise the vector of the last one (``BayesianLearningRule``)."""
+        steps t ≡ 0 (mod ``coupling_every``) and otherwise the vector of the last one (``BayesianLearningRule``),
+        plus R̃(m − m_s) where a correction is set (``BayesianLearningRule.set_prior``)."""
         cached = self._coupling_cache
         if cached is not None and self._t % self.coupling_every != 0 and cached.shape == mean.shape:
-            return cached
-        pulled = self.prior_coupling(flat.views(mean - flat.m0))  # type: ignore[misc]
-        term = torch.cat([pulled[k].reshape(-1) if k in pulled else torch.zeros(n, dtype=mean.dtype, device=mean.device)
-                          for k, n in zip(flat.names, flat.numels)])
+            anchor = self._coupling_anchor
+            if self.prior_correction is None or anchor is None:
+                return cached
+            return cached + _flat_pull(flat, self.prior_correction(flat.views(mean - anchor)), mean)
+        term = _flat_pull(flat, self.prior_coupling(flat.views(mean - flat.m0)), mean)  # type: ignore[misc]
         self._coupling_cache = term if self.coupling_every > 1 else None
+        self._coupling_anchor = mean.clone() if self.coupling_every > 1 and self.prior_correction is not None else None
         return term
 
     def _module_backward(self, closure: BatchClosure, grads: list[Tensor]) -> Tensor:
