@@ -345,16 +345,10 @@ class BLRMethod(Method):
         prior = self.kron_prior
         diag = prior.precision_diag()
         coupled = any(terms for _, _, terms in prior.blocks)
-
-        def coupling(v: dict[str, Tensor]) -> dict[str, Tensor]:
-            full = prior.precision_matvec({k: v[k] for k in prior.mean})
-            return {k: full[k] - diag[k] * v[k] for k in full}
-
-        if coupled and self.params.coupling_rank is not None:  # S̃_r's coupling (BLRParams.coupling_rank)
-            coupling = prior.coupling(self.params.coupling_rank)  # type: ignore[assignment]
+        coupling = prior.coupling(self.params.coupling_rank) if coupled else None  # exact, or S̃_r's (coupling_rank)
         r = self.params.coupling_correction_rank
         correction = prior.coupling(r) if coupled and r is not None else None
-        self.optimizer.set_prior(DiagPosterior(dict(prior.mean), diag), coupling if coupled else None, correction)
+        self.optimizer.set_prior(DiagPosterior(dict(prior.mean), diag), coupling, correction)
 
     def epoch_stats(self) -> dict[str, float]:
         """``clipped_fraction``: the share of coordinate-steps the clip bounded in the epoch (with a clip only).

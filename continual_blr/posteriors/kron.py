@@ -192,12 +192,20 @@ class KronPosterior(GaussianPosterior):
         """
         if rank is not None and not (isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1):
             raise ValueError(f"rank: must be an integer >= 1 or None, got {rank!r}")
+        if rank is None:  # exact: S v − diag(S) v
+            diag = self.precision_diag()
+
+            def exact(v: ParamDict) -> ParamDict:
+                full = self.precision_matvec({k: v[k] for k in self.mean})
+                return {k: full[k] - diag[k] * v[k] for k in full}
+
+            return exact
         # per block, per term: (U_r, Λ_r, G, diag(G) diag(A⁽ʳ⁾)ᵀ), or uncut (None, A, G, diag(G) diag(A)ᵀ)
         cut: list[list[tuple[Tensor | None, Tensor, Tensor, Tensor]]] = []
         for w, b, terms in self.blocks:
             kept = []
             for a, g in terms:
-                if rank is None or rank >= a.shape[0]:
+                if rank >= a.shape[0]:
                     u, lam, a_r = None, a, a
                 else:
                     lam_all, u_all = eigh(a)
