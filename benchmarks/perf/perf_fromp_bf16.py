@@ -5,6 +5,7 @@ random images):
 
     python benchmarks/perf/perf_fromp_bf16.py --threads 1            # writes benchmarks/results/perf/perf_fromp_bf16.md
     python benchmarks/perf/perf_fromp_bf16.py --steps 3 --no-write
+    python benchmarks/perf/perf_fromp_bf16.py --threads 1 --out benchmarks/results/perf/perf_fromp_bf16_xeon_amx.md
 
 **Cost** (issue 43: "a CifarNet FROMP epoch at the last task ≤ 2 × a plain epoch under bf16"): CifarNet with five
 2-way heads, ``train.precision: bf16`` (+ channels_last), batch 256, four past tasks of 200 memorable points each
@@ -213,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-train", type=int, default=2048, help="training images per task for the error part")
     ap.add_argument("--data-dir", default=os.environ.get("CONTINUAL_BLR_DATA"))
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "perf" / "perf_fromp_bf16.md"),
+                    help="the report's path (default benchmarks/results/perf/perf_fromp_bf16.md)")
     args = ap.parse_args(argv)
     if args.threads < 1 or args.steps < 1 or args.epochs < 1 or args.n_train < BATCH:
         ap.error(f"--threads, --steps, --epochs must be >= 1 and --n-train >= {BATCH}")
@@ -224,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                   if args.data_dir else command)
     print(text)
     if not args.no_write:
-        path = ROOT / "benchmarks" / "results" / "perf" / "perf_fromp_bf16.md"
+        path = Path(args.out)
         path.write_text(text)
         print(f"wrote {path}")
     return 0
