@@ -289,7 +289,8 @@ def test_a_coupling_reused_between_recomputations_keeps_the_exact_fixed_point(ge
 def _corrected_run(gen_seed: int, every: int, correction: str | None, steps: int, beta1: float = 0.9,
                    save_at: int | None = None):
     """The coupled regression with ρ 0.5 and momentum (a trajectory that moves), ``coupling_every`` k, and a
-    correction that is the exact coupling (``"exact"``) or the rank-1 cut (``"cut"``); the flat mean after ``steps``
+    correction that is the exact coupling (``"exact"``) or the rank-1 cut (``"cut"``: a ``KronCoupling``, which the
+    step applies in its flat form; ``"cut_dict"``: the same called on parameter dicts); the flat mean after ``steps``
     (with ``save_at``: saved there and loaded into a fresh optimiser, then the rest of the steps)."""
     model, kron, closure, _, exact = _coupled_problem(torch.Generator().manual_seed(gen_seed))
     diag = kron.precision_diag()
@@ -298,7 +299,8 @@ def _corrected_run(gen_seed: int, every: int, correction: str | None, steps: int
     def coupling(v):
         return {k: t - diag[k] * v[k] for k, t in kron.precision_matvec(v).items()}
 
-    corr = {"exact": coupling, "cut": kron.coupling(1), None: None}[correction]
+    cut = kron.coupling(1)
+    corr = {"exact": coupling, "cut": cut, "cut_dict": lambda v: cut(v), None: None}[correction]
 
     def fresh():
         with torch.no_grad():
@@ -336,6 +338,19 @@ def test_a_corrected_coupling_follows_the_every_step_coupling_and_keeps_the_fixe
     assert float((stale - every_step).abs().max()) > 1e-6
     mean, exact = _corrected_run(0, 5, "cut", 3000, beta1=0.0)
     torch.testing.assert_close(mean, exact, **SOLVE)
+
+
+def test_the_flat_correction_steps_as_its_parameter_dict_form():
+    """The step applies a ``KronCoupling`` correction through its flat operator (``_correction_term``, buffers reused
+    from step to step) and any other callable through parameter dicts: 60 steps of both, with the rank-1 cut of the
+    same prior, agree to round-off, and differ from the uncorrected run by more than 1e-6 (the correction matters
+    here). Planted once each: the flat operator reading m − m₀ instead of m − m_s, and a bias offset shifted by one
+    entry, failed."""
+    flat_form, _ = _corrected_run(1, 5, "cut", 60)
+    dict_form, _ = _corrected_run(1, 5, "cut_dict", 60)
+    uncorrected, _ = _corrected_run(1, 5, None, 60)
+    torch.testing.assert_close(flat_form, dict_form, rtol=1e-12, atol=1e-12)  # float64, the same products
+    assert float((uncorrected - dict_form).abs().max()) > 1e-6
 
 
 def test_a_correction_needs_a_coupling(gen):
@@ -431,8 +446,10 @@ def test_the_rank_cut_coupling_is_the_off_diagonal_of_its_dense_precision(gen, r
     """``KronPosterior.coupling(r)`` applied to every unit vector (one batched call) gives S_r − diag(S_r) of the
     dense oracle above; S_r is PSD with diag(S_r) = diag(S) (``precision_diag``), and with r ≥ every d_in
     (here 5) S_r = S (the exact coupling). Rank 1 and 2 cut the 5 × 5 and 4 × 4 input factors for real: their
-    S_r is checked to differ from S. Planted once each: the smallest eigenpairs kept instead of the largest, and
-    the subtracted diagonal taken from A instead of A_r, failed."""
+    S_r is checked to differ from S. The flat form (``KronCoupling.flat``) gives the same rows. Planted once each:
+    the smallest eigenpairs kept instead of the largest, and the subtracted diagonal taken from A instead of A_r,
+    failed; in the flat form, a second term added to the first's output of the previous call (not overwritten)
+    failed."""
     mean = {"a.weight": torch.randn(3, 4, generator=gen, dtype=DT), "a.bias": torch.randn(3, generator=gen, dtype=DT),
             "b.weight": torch.randn(2, 4, generator=gen, dtype=DT), "scale": torch.randn(2, generator=gen, dtype=DT)}
     blocks = [("a.weight", "a.bias", [(_psd(5, gen), _psd(3, gen)) for _ in range(2)]),
@@ -451,6 +468,12 @@ def test_the_rank_cut_coupling_is_the_off_diagonal_of_its_dense_precision(gen, r
     columns = post.coupling(rank)(units)
     r = torch.cat([columns[k].reshape(p, -1) for k in mean], 1)  # row i: R e_i
     torch.testing.assert_close(r, s_r - torch.diag(torch.diagonal(s_r)), **EXACT)
+    # the flat form, one unit vector at a time into one reused output (never zeroed between calls: each call must
+    # overwrite the blocks' entries, and leave the diagonal parameter's entries as they were, zero)
+    op = post.coupling(rank).flat(list(mean), [v.numel() for v in mean.values()])
+    out = torch.zeros(p, dtype=DT)
+    rows = torch.stack([op(eye[i].clone(), out).clone() for i in range(p)])
+    torch.testing.assert_close(rows, s_r - torch.diag(torch.diagonal(s_r)), **EXACT)
     torch.testing.assert_close(torch.diagonal(s_r), torch.diagonal(s), **EXACT)
     assert float(torch.linalg.eigvalsh(s_r).min()) > 0
     if rank < 4:
@@ -520,3 +543,11 @@ def test_the_method_corrects_through_the_rank_cut_coupling():
 def test_bad_kfac_settings_are_one_line_errors(params, message):
     with pytest.raises(ValueError, match=message):
         BLRParams(**params)
+
+
+def test_the_flat_coupling_names_a_parameter_missing_from_the_layout(gen):
+    mean = {"a.weight": torch.randn(3, 4, generator=gen, dtype=DT), "a.bias": torch.randn(3, generator=gen, dtype=DT)}
+    post = KronPosterior(mean, [("a.weight", "a.bias", [(_psd(5, gen), _psd(3, gen))])], {}, delta=0.7)
+    with pytest.raises(ValueError, match=r"^KronCoupling.flat: parameter 'a.bias' is not in the layout with its 3 "
+                                         r"entries$"):
+        post.coupling(2).flat(["a.weight", "a.bias"], [12, 4])

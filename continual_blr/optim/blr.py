@@ -311,6 +311,7 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
         self.coupling_every = coupling_every
         self._coupling_cache: Tensor | None = None  # the last R(m − m₀), flat (reused for coupling_every − 1 steps)
         self.prior_correction: Coupling | None = None  # a cheap R̃ for the steps between recomputations (set_prior)
+        self._correction_flat = None  # R̃'s flat operator and buffers (DiagStepMixin._correction_term)
         self._coupling_anchor: Tensor | None = None  # the flat mean m_s the cached R(m_s − m₀) was computed at
 
     def rebuild(self, model: nn.Module, prior: GaussianPosterior, init_precision: GaussianPosterior) -> None:
@@ -411,6 +412,7 @@ class BayesianLearningRule(DiagStepMixin, torch.optim.Optimizer):
             raise ValueError("set_prior: a correction needs a coupling")
         self.prior_coupling = coupling
         self.prior_correction = correction
+        self._correction_flat = None
         self._coupling_cache = None
         self._coupling_anchor = None
         self.prior = prior

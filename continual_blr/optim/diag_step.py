@@ -52,6 +52,7 @@ class DiagStepMixin:
     _pool: PooledNoise | None
     prior_coupling: Callable | None
     prior_correction: Callable | None
+    _correction_flat: tuple | None = None  # (names, numels, flat operator or None, m − m_s, R̃(m − m_s)) of _correction_term
     _flat_weights: FlatWeights | None = None
     prior: Any
     names: list[str]
@@ -220,11 +221,29 @@ class DiagStepMixin:
             anchor = self._coupling_anchor
             if self.prior_correction is None or anchor is None:
                 return cached
-            return cached + _flat_pull(flat, self.prior_correction(flat.views(mean - anchor)), mean)
+            return self._correction_term(flat, mean, anchor).add_(cached)
         term = _flat_pull(flat, self.prior_coupling(flat.views(mean - flat.m0)), mean)  # type: ignore[misc]
         self._coupling_cache = term if self.coupling_every > 1 else None
         self._coupling_anchor = mean.clone() if self.coupling_every > 1 and self.prior_correction is not None else None
         return term
+
+    def _correction_term(self, flat: FlatDiagState, mean: Tensor, anchor: Tensor) -> Tensor:
+        """R̃(m − m_s) as one flat vector, in a buffer the next call overwrites. A correction with a flat form
+        (:meth:`~continual_blr.posteriors.kron_coupling.KronCoupling.flat`) reads m − m_s and writes R̃(m − m_s)
+        in place, with no per-parameter dictionaries (it runs on every step between two exact couplings); its
+        operator and buffers are made once per prior and flat layout. Any other correction goes through its
+        parameter dicts."""
+        cache = self._correction_flat
+        if cache is None or cache[0] is not flat.names or cache[1] != flat.numels:
+            make = getattr(self.prior_correction, "flat", None)
+            op = make(flat.names, flat.numels) if make is not None else None
+            cache = self._correction_flat = (flat.names, list(flat.numels), op, torch.empty_like(mean),
+                                             torch.zeros_like(mean))
+        _, _, op, diff, out = cache
+        if op is None:
+            return _flat_pull(flat, self.prior_correction(flat.views(mean - anchor)), mean)  # type: ignore[misc]
+        torch.sub(mean, anchor, out=diff)
+        return op(diff, out)
 
     def _module_backward(self, closure: BatchClosure, grads: list[Tensor]) -> Tensor:
         """The module path's forward at the weights the model holds and one backward of (N/B) Σ_i ℓ_i into
