@@ -5,7 +5,8 @@ run's ``StreamResult`` (accuracy matrix, metrics, the run config), its cost (``w
 start) and its provenance (:func:`provenance`):
 
 * ``commit`` — ``git rev-parse HEAD`` of the checkout, and ``dirty`` — whether tracked files under
-  ``continual_blr/``, ``configs/`` or ``benchmarks/`` differed from that commit when the run started. Where
+  ``continual_blr/``, ``configs/`` or ``benchmarks/`` (not its ``records/`` and ``results/``, which runs write)
+  differed from that commit when the run started. Where
   ``CONTINUAL_BLR_COMMIT`` (and ``CONTINUAL_BLR_DIRTY``, ``0``/``1``) is set, it wins over git: a copy sent to a
   GPU machine may carry an older checkout's ``.git``, and the sender knows which commit it sent. The record says
   where the commit came from (``commit_source``: ``git`` or ``env``);
@@ -94,6 +95,12 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+DIRTY_STATUS = ("status", "--porcelain", "--untracked-files=no", "--", "continual_blr", "configs", "benchmarks",
+                ":(exclude)benchmarks/records", ":(exclude)benchmarks/results")
+"""The ``git`` call behind ``dirty``: tracked code and configs that differ from the commit. What runs write (records,
+tables, reports) is left out, so that the second run in one checkout is not marked dirty by the first one's records."""
+
+
 def provenance(device: str = "cpu") -> dict[str, Any]:
     """Commit, dirty flag, library hash, package versions and device of a run starting now."""
     import numpy
@@ -105,7 +112,7 @@ def provenance(device: str = "cpu") -> dict[str, Any]:
         sk = sklearn.__version__
     except ImportError:  # pragma: no cover - an extra
         sk = None
-    status = _git("status", "--porcelain", "--untracked-files=no", "--", "continual_blr", "configs", "benchmarks")
+    status = _git(*DIRTY_STATUS)
     commit, source = _git("rev-parse", "HEAD"), "git"
     dirty = None if status is None else bool(status)
     if os.environ.get("CONTINUAL_BLR_COMMIT"):  # the sender knows; a copied .git may be an older checkout's
@@ -201,7 +208,7 @@ def process_start() -> dict[str, Any]:
     """Commit, dirty flag and their source, and the time, read once at this process's first call (call it when the
     process starts: a checkout that moves while a long command runs does not change what its records say)."""
     if not _START:
-        status = _git("status", "--porcelain", "--untracked-files=no", "--", "continual_blr", "configs", "benchmarks")
+        status = _git(*DIRTY_STATUS)
         commit, source = _git("rev-parse", "HEAD"), "git"
         dirty = None if status is None else bool(status)
         if os.environ.get("CONTINUAL_BLR_COMMIT"):  # a GPU machine's copy: the sender knows what it sent

@@ -912,3 +912,33 @@ def test_gpu_runs_gives_each_job_its_split_and_folder(tmp_path):
     assert "--validation 0.1" in val1[0] and "a_b-m-1-val0.1" in val1[0]
     assert "a_b-m-1 " in test1[0] + " " and "val" not in test1[0].split("--runs-dir")[1]
     assert "--validation 0.2" in seed3
+
+
+def test_a_run_is_dirty_for_changed_code_or_configs_but_not_for_the_records_and_tables_runs_write(tmp_path):
+    """``records.DIRTY_STATUS`` in a throwaway git repository: a changed record or table under ``benchmarks/records``
+    or ``benchmarks/results`` leaves the checkout clean (the second run of one ``reproduce.py`` call after the first
+    wrote its records was marked dirty before); a changed library file, config or benchmark script makes it dirty.
+    Planted once: the two exclusions left out, the first assertion failed."""
+    import subprocess
+
+    rr = _load_reproduce().run_records
+    files = {"continual_blr/a.py": "x = 1\n", "configs/b.yaml": "a: 1\n", "benchmarks/c.py": "y = 1\n",
+             "benchmarks/records/d_seed0.json": "{}\n", "benchmarks/results/tables/e.md": "old\n"}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "start")
+    (tmp_path / "benchmarks/records/d_seed0.json").write_text('{"new": 1}\n')
+    (tmp_path / "benchmarks/results/tables/e.md").write_text("new\n")
+    assert git(*rr.DIRTY_STATUS) == ""
+    for name in ("continual_blr/a.py", "configs/b.yaml", "benchmarks/c.py"):
+        (tmp_path / name).write_text("changed\n")
+        assert name in git(*rr.DIRTY_STATUS)
+        git("checkout", "-q", "--", name)
