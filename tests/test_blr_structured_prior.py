@@ -551,3 +551,21 @@ def test_the_flat_coupling_names_a_parameter_missing_from_the_layout(gen):
     with pytest.raises(ValueError, match=r"^KronCoupling.flat: parameter 'a.bias' is not in the layout with its 3 "
                                          r"entries$"):
         post.coupling(2).flat(["a.weight", "a.bias"], [12, 4])
+
+
+def test_the_flat_coupling_overwrites_every_entry_of_its_output(gen):
+    """``KronCoupling.flat`` sets the entries of parameters outside the blocks to zero, whatever ``out`` held: the
+    step adds the exact pull to the returned buffer in place and passes the same buffer again, so an entry left
+    alone would accumulate. Planted once: the zeroing left out, the check of the "extra" entries failed."""
+    mean = {"a.weight": torch.randn(3, 4, generator=gen, dtype=DT), "a.bias": torch.randn(3, generator=gen, dtype=DT),
+            "extra": torch.randn(2, generator=gen, dtype=DT)}
+    post = KronPosterior(mean, [("a.weight", "a.bias", [(_psd(5, gen), _psd(3, gen))])],
+                         {"extra": torch.rand(2, generator=gen, dtype=DT)}, delta=0.7)
+    cut = post.coupling(2)
+    op = cut.flat(list(mean), [v.numel() for v in mean.values()])
+    v = torch.randn(17, generator=gen, dtype=DT)
+    out = torch.full((17,), 5.0, dtype=DT)
+    got = op(v, out)
+    want = flatten(cut({k: t.view_as(mean[k]) for k, t in zip(mean, v.split([12, 3, 2]))}))
+    torch.testing.assert_close(got[-2:], torch.zeros(2, dtype=DT), rtol=0, atol=0)
+    torch.testing.assert_close(got, want, **EXACT)

@@ -161,9 +161,11 @@ class KronCoupling:
         return out
 
     def flat(self, names: list[str], numels: list[int]) -> Callable[[Tensor, Tensor], Tensor]:
-        """The operator (v, out) ↦ out with out's block entries set to R_r v, for flat vectors in the layout
-        ``names`` / ``numels`` (each parameter's entries contiguous, row-major). The entries of parameters
-        outside the blocks are not written: keep them zero. Every block's weight and bias must be in ``names``.
+        """The operator (v, out) ↦ out with out set to R_r v, for flat vectors in the layout ``names`` / ``numels``
+        (each parameter's entries contiguous, row-major): the blocks' entries are written, the entries of parameters
+        outside the blocks are set to zero, so ``out`` may hold anything before the call (a caller that adds to the
+        result in place and passes the same buffer again gets R_r v, not a sum). Every block's weight and bias must
+        be in ``names``.
 
         Raises:
             ValueError: if a block's parameter is not in ``names``, or its size there differs from the mean's.
@@ -180,8 +182,12 @@ class KronCoupling:
                     raise ValueError(f"KronCoupling.flat: parameter {k!r} is not in the layout with its "
                                      f"{self.shapes[k].numel()} entries")
             plan.append((start[w][0], start[b][0] if b is not None else None, d_out, d_w, kept, off_w, off_b))
+        in_blocks = {k for w, b, *_ in self.blocks for k in (w, b) if k is not None}
+        outside = [(start[k][0], start[k][0] + start[k][1]) for k in names if k not in in_blocks]
 
         def apply(v: Tensor, out: Tensor) -> Tensor:
+            for lo, hi in outside:
+                out[lo:hi].zero_()
             for ow, ob, d_out, d_w, kept, off_w, off_b in plan:
                 n = d_out * d_w
                 self._block(v[ow:ow + n].view(d_out, d_w), v[ob:ob + d_out] if ob is not None else None,
