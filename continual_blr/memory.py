@@ -74,6 +74,8 @@ __all__ = [
     "MemoryEntry",
     "MemoryStore",
     "forward",
+    "forward_parts",
+    "train_eval_difference",
     "NORM_MODES",
     "NormStatistics",
     "norm_layers",
@@ -103,6 +105,58 @@ def forward(model: nn.Module, x: Tensor, head: int = 0, params: ParamDict | None
     if params is None:
         return model(x, **kw)
     return functional_call(model, params, (x,), kw)
+
+
+# Modules whose forward does not read ``training`` (and so runs the same in train and eval mode).
+_MODE_FREE = (
+    nn.Linear, nn.Bilinear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+    nn.ConvTranspose3d, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
+    nn.Mish, nn.Tanh, nn.Sigmoid, nn.Softplus, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softmax,
+    nn.LogSoftmax, nn.Flatten, nn.Unflatten, nn.Identity, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d,
+    nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool1d,
+    nn.AdaptiveMaxPool2d, nn.LayerNorm, nn.GroupNorm, nn.Sequential, nn.ModuleList, nn.ModuleDict,
+)
+
+
+def train_eval_difference(model: nn.Module) -> str | None:
+    """A module of ``model`` whose forward may differ between train and eval mode, as ``"name (Type)"``; None when
+    every module is known to run the same in both: the layers and containers of :data:`_MODE_FREE`, dropout with
+    p = 0, and :class:`~continual_blr.models.MultiHeadNet` (and its subclasses that keep its forward). Anything
+    else — dropout with p > 0, BatchNorm (running statistics), any other module type — is named: its mode is not
+    known, so it counts as mode-dependent."""
+    from .models import MultiHeadNet  # a leaf module (torch only); imported here to keep this module's imports lean
+
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p == 0:
+            continue
+        if isinstance(m, MultiHeadNet) and type(m).forward is MultiHeadNet.forward:
+            continue
+        if type(m) in _MODE_FREE:
+            continue
+        return f"{name or '<model>'} ({type(m).__name__})"
+    return None
+
+
+def forward_parts(model: nn.Module, xs: list[Tensor], heads: list[int]) -> list[Tensor]:
+    """``[forward(model, x_i, head=h_i) for each i]`` from one pass over the rows of all ``xs`` together.
+
+    A model with ``forward_heads`` (:meth:`continual_blr.models.MultiHeadNet.forward_heads`) runs its shared body
+    once and each block through its own head; any other model is called once on the concatenated inputs, which
+    needs one head for all blocks (or a forward without ``head``). The model's mode is the caller's: the blocks are
+    evaluated in the same mode (see :func:`train_eval_difference`). Equal to the separate forwards up to the
+    rounding of the larger matrix products (the gradient of a weight sums the blocks' rows in one product).
+
+    Raises:
+        ValueError: blocks on different heads of a model without ``forward_heads``.
+    """
+    x = torch.cat(xs)
+    sizes = [int(t.shape[0]) for t in xs]
+    if callable(getattr(model, "forward_heads", None)):
+        return list(model.forward_heads(x, list(zip(heads, sizes))))
+    if len(set(int(h) for h in heads)) > 1 and _accepts_head(model):
+        raise ValueError(f"forward_parts: {type(model).__name__} has no forward_heads, so blocks on different heads "
+                         f"({sorted(set(int(h) for h in heads))}) cannot share one pass")
+    return list(torch.split(forward(model, x, int(heads[0])), sizes))
 
 
 @torch.no_grad()

@@ -7,6 +7,8 @@ model the same way (``functional_call(model, params, (x,), {"head": h})``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor, nn
 
@@ -33,6 +35,23 @@ class MultiHeadNet(nn.Module):
         if self.n_heads == 1:
             return self.heads[0](h)
         return self.heads[int(head)](h)
+
+    def forward_heads(self, x: Tensor, parts: Sequence[tuple[int, int]]) -> list[Tensor]:
+        """One pass of the shared body over ``x``, then each block of rows through its own head.
+
+        ``parts`` lists (head, rows) for consecutive row blocks of ``x`` (their rows summing to ``len(x)``); block i
+        gets ``forward(x_i, head=h_i)``, computed as one body pass over all rows instead of one per block (what
+        FROMP's ``fused_forward`` uses: the minibatch and the memorable points of every head in one pass). Blocks
+        that share a head share one head product; a single-head net applies its head once.
+        """
+        sizes = [int(n) for _, n in parts]
+        if sum(sizes) != x.shape[0]:
+            raise ValueError(f"forward_heads: the parts cover {sum(sizes)} rows, x has {x.shape[0]}")
+        h = self.body(x)
+        heads = [0 if self.n_heads == 1 else int(k) for k, _ in parts]
+        if len(set(heads)) == 1:
+            return list(torch.split(self.heads[heads[0]](h), sizes))
+        return [self.heads[k](f) for k, f in zip(heads, torch.split(h, sizes))]
 
 
 def _mlp_body(in_features: int, hidden: tuple[int, ...]) -> tuple[nn.Module, int]:

@@ -25,7 +25,9 @@ End to end (``--end-to-end``, one thread): the split-MNIST configs ``configs/spl
 divides the epochs by 5), each timed by the process CPU time it used; the FROMP run is repeated under
 cProfile and its time split into the training steps' model passes, the penalty, the task-end work
 (diagonal GGN + memorable selection), the task-start rebuild and evaluation. Target (issue 43): FROMP ≤ 1.5× none;
-``--tasks-per-step K ...`` adds a fromp run per K with the penalty estimated over K past tasks per step.
+``--tasks-per-step K ...`` adds a fromp run per K with the penalty estimated over K past tasks per step;
+``--fused`` adds each fromp run again with ``fused_forward`` (the minibatch and the memorable points in one forward
+pass). Each row also shows its floor: the rows per step through the network over ``none``'s (``rows_floor``).
 
     python benchmarks/perf/perf_fromp.py --end-to-end --data-dir $CONTINUAL_BLR_DATA --threads 1
 """
@@ -264,18 +266,36 @@ def write_end_to_end(script: str, args: argparse.Namespace, text: str) -> None:
         print(f"wrote {out}")
 
 
+def rows_floor(cfg, tasks_per_step: int) -> float:
+    """The FROMP run's rows through the network per step over ``none``'s, averaged over the tasks with equal steps
+    per task: (1/T) Σ_t (B + m_t) / B, m_t = M · min(t − 1, k or t − 1) memorable rows at task t (M per task, batch
+    B, T tasks). On a network whose step is bound by its matrix products this is the floor of the run's ratio."""
+    params = cfg.methods[0].params
+    m, b = int(params.get("n_points", 40)), int(cfg.train.batch_size)
+    n_tasks = {"split_mnist": 5, "permuted_mnist": 10, "split_digits": 5}.get(cfg.stream.name, 5)
+    k = int(tasks_per_step)
+    per_task = [(b + m * (min(t, k) if k else t)) / b for t in range(n_tasks)]
+    return sum(per_task) / n_tasks
+
+
 def end_to_end(data_dir: str | None, quick: bool, benchmark: str = "split_mnist",
-               tasks_per_step: list[int] | None = None) -> str:
+               tasks_per_step: list[int] | None = None, fused: bool = False) -> str:
     """CPU seconds of the split-MNIST ``none`` and ``fromp`` runs in this invocation (and of ``fromp`` with each
-    ``tasks_per_step`` k given: the penalty's unbiased estimate over k past tasks per step), and the FROMP profile."""
+    ``tasks_per_step`` k given: the penalty's unbiased estimate over k past tasks per step; with ``fused`` each FROMP
+    run also with ``fused_forward``: one forward pass for the minibatch and the memorable points), and the FROMP
+    profile."""
     import cProfile
     import pstats
 
     from continual_blr.runner import run_config
 
-    cfgs = [(m, _split_mnist_config(m, data_dir, quick, benchmark)) for m in ("none", "fromp")]
-    cfgs += [(f"fromp, tasks_per_step {k}", with_params(_split_mnist_config("fromp", data_dir, quick, benchmark),
-                                                        {"tasks_per_step": k})) for k in (tasks_per_step or [])]
+    variants = [("fromp", {})] + [(f"fromp, tasks_per_step {k}", {"tasks_per_step": k}) for k in (tasks_per_step or [])]
+    if fused:
+        variants += [(f"{label}, fused_forward", {**extra, "fused_forward": True}) for label, extra in variants]
+    cfgs = [("none", _split_mnist_config("none", data_dir, quick, benchmark))]
+    cfgs += [(label, with_params(_split_mnist_config("fromp", data_dir, quick, benchmark), extra))
+             for label, extra in variants]
+    floors = {label: rows_floor(cfg, cfg.methods[0].params.get("tasks_per_step", 0)) for label, cfg in cfgs[1:]}
     runs = timed_runs(cfgs)
     cpu = {m: r[0] for m, r in runs.items()}
     accs = {m: r[2] for m, r in runs.items()}
@@ -286,14 +306,19 @@ def end_to_end(data_dir: str | None, quick: bool, benchmark: str = "split_mnist"
     stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
     total = sum(v[2] for v in stats.values())
     tps = " --tasks-per-step " + " ".join(map(str, tasks_per_step)) if tasks_per_step else ""
+    tps += " --fused" if fused else ""
     lines = [f"# FROMP end to end on {benchmark} ({'QUICK: epochs / 5' if quick else 'full budget'})", "",
              f"Command: `python benchmarks/perf/perf_fromp.py --end-to-end --benchmark {benchmark}{' --quick' if quick else ''}{tps} "
              "--data-dir $CONTINUAL_BLR_DATA --threads 1`; torch threads "
              f"{torch.get_num_threads()}, {platform.machine()}. Accuracies on the held-out "
              f"{PERF_VALIDATION:g} of each task's training data (validation, not test).", "",
-             "| run | CPU (s) | × none | final avg acc (%) |", "|---|---|---|---|"]
+             "| run | CPU (s) | × none | rows per step × none (floor) | final avg acc (%) |", "|---|---|---|---|---|"]
     for m in cpu:
-        lines.append(f"| {m} | {cpu[m]:.1f} | {cpu[m] / cpu['none']:.2f} | {accs[m]:.2f} |")
+        floor = f"{floors[m]:.2f}" if m in floors else "1.00"
+        lines.append(f"| {m} | {cpu[m]:.1f} | {cpu[m] / cpu['none']:.2f} | {floor} | {accs[m]:.2f} |")
+    lines += ["", "Rows per step × none: the minibatch and the memorable points the step passes through the network, over "
+              "the minibatch alone, averaged over the tasks (`rows_floor`): the ratio a run whose cost is all matrix "
+              "products cannot go under (FROMP clips the gradient, `none` does not; neither is in the floor)."]
     lines += ["", f"Target (issue 43): FROMP ≤ 1.5× none. Profile of a second FROMP run (cProfile, {total:.1f} s of "
               "profiled time; rows nest):", "", "| part | cumulative (s) | share |", "|---|---|---|"]
     for label, file_part, name in _PROFILE_ROWS:
@@ -315,10 +340,13 @@ def main(argv: list[str] | None = None) -> int:
                         "--end-to-end: the configs/ folder (split_digits: a smoke run)")
     ap.add_argument("--tasks-per-step", type=int, nargs="*", default=None, metavar="K",
                     help="--end-to-end: also time fromp with params.tasks_per_step K (one run per K)")
+    ap.add_argument("--fused", action="store_true",
+                    help="--end-to-end: also time each fromp run with params.fused_forward (one forward pass)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.end_to_end:
-        write_end_to_end("fromp", args, end_to_end(args.data_dir, args.quick, args.benchmark, args.tasks_per_step))
+        write_end_to_end("fromp", args, end_to_end(args.data_dir, args.quick, args.benchmark, args.tasks_per_step,
+                                                   args.fused))
         return 0
     load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     res = run(args.steps, args.rebuilds, args.n_train)

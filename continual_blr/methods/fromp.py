@@ -108,9 +108,14 @@ class PenaltyLog:
 def functional_loss(method: Method, reg: FunctionalRegularizer, log: PenaltyLog, model: nn.Module, batch: Batch,
                     task: Task) -> tuple[Tensor, Tensor]:
     """(1/B) Σ_i ℓ_i + the penalty — the sum ``Method.loss`` forms, in the same order — returned as (that sum, the
-    penalty) after adding both parts to ``log``."""
-    loss = mean_nll(model(batch.x, head=batch.head), batch.y, method.likelihood, method.sigma)
-    penalty = reg.penalty(model, batch, task)
+    penalty) after adding both parts to ``log``. With ``reg.fused_forward`` the minibatch's outputs and the penalty
+    come from one forward pass (:meth:`FunctionalRegularizer.penalty_and_outputs`)."""
+    if reg.fused_forward:
+        outputs, penalty = reg.penalty_and_outputs(model, batch, task)
+        loss = mean_nll(outputs, batch.y, method.likelihood, method.sigma)
+    else:
+        loss = mean_nll(model(batch.x, head=batch.head), batch.y, method.likelihood, method.sigma)
+        penalty = reg.penalty(model, batch, task)
     log.add(loss, penalty, batch.y.shape[0])
     return loss + penalty, penalty
 
@@ -150,6 +155,9 @@ class FunctionalParams:
             n·M; :mod:`continual_blr.regularizers.functional`); 0 (default, the paper): every stored task.
         task_estimator: with ``tasks_per_step`` — ``"unbiased"`` (default) | ``"saga"`` (the same expectation, a
             table of each task's last penalty gradient lowering its variance; the loop's optimisers only).
+        fused_forward: the minibatch and all memorable points in one forward pass (the same function and
+            gradient, rounded differently; fewer and larger matrix products); needs a model that runs the same in
+            train and eval mode (no dropout, no BatchNorm). False (default): the separate passes of the paper.
     """
 
     tau: float = 10.0
@@ -165,6 +173,7 @@ class FunctionalParams:
     forward_precision: str = "fp32"
     tasks_per_step: int = 0
     task_estimator: str = "unbiased"
+    fused_forward: bool = False
 
     def __post_init__(self) -> None:
         """One-line ``ValueError`` naming the field and what is allowed."""
@@ -197,6 +206,11 @@ class FunctionalParams:
         if self.task_estimator not in TASK_ESTIMATORS:
             raise ValueError(f"params.task_estimator: got {self.task_estimator!r}; allowed: "
                              f"{', '.join(map(repr, TASK_ESTIMATORS))}")
+        if not isinstance(self.fused_forward, bool):
+            raise ValueError(f"params.fused_forward: must be true or false, got {self.fused_forward!r}")
+        if self.fused_forward and self.task_estimator == "saga":
+            raise ValueError("params.fused_forward: not with task_estimator 'saga' (its per-task gradients need one "
+                             "pass per drawn task); allowed with task_estimator 'unbiased'")
         for name in ("jitter_relative", "drop_below"):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):

@@ -124,6 +124,15 @@ memorable points is formed in the step; the gradient Σ_c J_{p_c}ᵀ K_c⁻¹ Δ
 vector-Jacobian product autograd computes. That makes the regulariser a plain loss term: it composes
 with any optimiser (Adam, SGD, the BLR optimisers through ``penalty(..., params=...)``, IVON).
 
+One pass (``fused_forward=True``, :meth:`FunctionalRegularizer.penalty_and_outputs`): the minibatch and the memorable
+points of every head go through the network together — the rows concatenated, the shared body run once, each block
+through its own head (:func:`~continual_blr.memory.forward_parts`) — so a step runs one forward and one backward
+instead of 1 + (distinct heads). The loss and its gradient are the same function; only the rounding of the summed
+matrix products differs. On an MLP whose step is bound by its matrix products the extra work of the penalty is then
+close to its floor, the memorable rows' share of the products (the penalty's own small operations aside). It holds
+only where a module's forward does not depend on its mode, since the penalty's points are evaluated in eval mode and
+the minibatch in train mode: no dropout, no BatchNorm (checked, one-line error otherwise).
+
 Evaluation mode: the penalty's forward over the memorable points runs in eval mode (dropout off,
 BatchNorm on running statistics), as in the reference code, whatever mode the model is in for the
 minibatch; old predictions and kernels are computed in eval mode too, so Δp compares like with like
@@ -156,9 +165,11 @@ from ..memory import (
     MemoryStore,
     NormStatistics,
     forward,
+    forward_parts,
     select_memorable,
     select_per_class,
     selection_scores,
+    train_eval_difference,
 )
 from ..mixed_precision import active_autocast, full_precision, resumed_autocast, to_fp32
 from ..types import Batch, KronBlock, KronCurvature, ParamDict, params_of
@@ -171,6 +182,7 @@ OUTPUTS = ("probs", "logits")
 FORWARD_PRECISIONS = ("fp32", "train")  # the memorable points' forward: always fp32, or the training step's
 TASK_ESTIMATORS = ("unbiased", "saga")  # the penalty's gradient over tasks_per_step of the stored tasks
 MAX_JITTER_RETRIES = 6
+_SUBSET_CACHE = 64  # drawn subsets (tasks_per_step) whose stacked groups are kept until the next rebuild
 """If K + εI is not positive definite in float64, ε is multiplied by 10 up to this many times."""
 
 
@@ -333,6 +345,8 @@ class FunctionalRegularizer:
             n stored tasks drawn with ``generator`` (module docstring); 0 (default) or k ≥ n: every stored task.
         task_estimator: ``"unbiased"`` (default: the plain estimate) | ``"saga"`` (the same expectation with a
             table of each task's last gradient: lower variance; module docstring). Used only when k < n.
+        fused_forward: the minibatch and every memorable point in one forward pass (:meth:`penalty_and_outputs`,
+            module docstring); False (default): one pass for the minibatch and one per head for the penalty.
 
     Attributes:
         health: one list per rebuild, one dict per stored task: ``task_id``, ``points``, ``dropped_points`` (points
@@ -362,7 +376,13 @@ class FunctionalRegularizer:
         forward_precision: str = "fp32",
         tasks_per_step: int = 0,
         task_estimator: str = "unbiased",
+        fused_forward: bool = False,
     ) -> None:
+        if not isinstance(fused_forward, bool):
+            raise ValueError(f"fused_forward: must be true or false, got {fused_forward!r}")
+        if fused_forward and task_estimator == "saga":
+            raise ValueError("fused_forward: not with task_estimator 'saga' (its per-task gradients need one pass "
+                             "per drawn task); allowed with 'unbiased'")
         if task_estimator not in TASK_ESTIMATORS:
             raise ValueError(f"task_estimator: got {task_estimator!r}; allowed: {', '.join(map(repr, TASK_ESTIMATORS))}")
         if not (isinstance(tasks_per_step, int) and not isinstance(tasks_per_step, bool) and tasks_per_step >= 0):
@@ -413,6 +433,8 @@ class FunctionalRegularizer:
         self.forward_precision = forward_precision
         self.tasks_per_step = int(tasks_per_step)
         self.task_estimator = task_estimator
+        self.fused_forward = fused_forward
+        self._fusable: tuple[int, int] | None = None  # (id, module count) of the model last checked for fusion
         self._saga: tuple[int, dict[int, ParamDict], ParamDict | None] = (-1, {}, None)  # (rebuild, ĝ_s, Σ ĝ)
         self.health: list[list[dict[str, Any]]] = []
         self._norm_statistics: NormStatistics | None = None
@@ -420,6 +442,7 @@ class FunctionalRegularizer:
         self.fisher: ParamDict | None = None  # Σ_tasks diag GGN (classwise / full / kron's non-block part)
         self.kron: dict[str, dict[str, Any]] = {}  # weight → {"bias", "a_sum" (Σ N·A), "n", "g" (Σ G)}
         self._groups: list | None = None  # per head: (head, x_cat, parts), built from the memory
+        self._subset_groups: dict[tuple[int, ...], tuple[list, list[int | None]]] = {}  # drawn subsets' groups
         self._group_tasks: list[int | None] = []  # per group: the task whose BatchNorm statistics it uses (or None)
 
     # ------------------------------------------------------------------------------------ state
@@ -432,7 +455,13 @@ class FunctionalRegularizer:
     @norm_statistics.setter
     def norm_statistics(self, value: NormStatistics | None) -> None:
         self._norm_statistics = value
-        self._groups = None  # the penalty's forwards are grouped by task when statistics are kept per task
+        self._clear_groups()  # the penalty's forwards are grouped by task when statistics are kept per task
+
+    def _clear_groups(self) -> None:
+        """Drop the penalty's cached groups (every task's and the drawn subsets'): the memory, its extras or the
+        statistics they are evaluated on changed."""
+        self._groups = None
+        self._subset_groups = {}
 
     def reset(self) -> None:
         """Forget every past task (memory and accumulated curvature)."""
@@ -441,7 +470,7 @@ class FunctionalRegularizer:
         self.fisher = None
         self.kron = {}
         self.health = []
-        self._groups = None
+        self._clear_groups()
 
     def _columns(self, task: Task) -> tuple[int, ...] | None:
         if self.class_incremental and self.classes == "task":
@@ -494,7 +523,7 @@ class FunctionalRegularizer:
             y=task.y_train[idx].clone(), indices=idx.clone(), scores=scores[idx].clone(),
             selection=self.selection, columns=self._columns(task),
         ))
-        self._groups = None
+        self._clear_groups()
 
     def share_memory(self, task: Task) -> int:
         """Shrink the stored tasks to their share of ``memory_size`` and return the new task's share.
@@ -526,7 +555,7 @@ class FunctionalRegularizer:
                 continue
             entries.append(_shrink(e, torch.sort(k).values))  # the entry's order kept (by class, rank order)
         self.memory.entries = entries
-        self._groups = None
+        self._clear_groups()
         return max(share_new, 1)
 
     def _accumulate_curvature(self, model: nn.Module, task: Task) -> None:
@@ -629,7 +658,7 @@ class FunctionalRegularizer:
             records.append(record)
         self.memory.entries = entries
         self.health.append(records)
-        self._groups = None
+        self._clear_groups()
 
     # ----------------------------------------------------------------------------------- penalty
 
@@ -724,6 +753,48 @@ class FunctionalRegularizer:
         self._saga = (rebuild, table, {name: total[name] + change[name] for name, _ in named})
         return value + sum((v[name] * (p - p.detach())).sum() for name, p in named)  # value R̂, gradient v
 
+    def _select_groups(self, ref: Tensor, subset: list[int] | None) -> tuple[list, list[int | None], float]:
+        """The step's groups (every stored task's, cached until the next rebuild; or the drawn ``subset``'s), the
+        task whose BatchNorm statistics each uses, and the estimate's scale n / |subset| (1 for every task)."""
+        if subset is None:
+            if (self._groups is None or self._groups[0][1].device != ref.device
+                    or self._groups[0][1].dtype != ref.dtype):
+                self._groups, self._group_tasks = self._build_groups(ref.device, ref.dtype)
+            return self._groups, self._group_tasks, 1.0
+        entries = list(self.memory)
+        key = tuple(subset)
+        cached = self._subset_groups.get(key)
+        if cached is None or cached[0][0][1].device != ref.device or cached[0][0][1].dtype != ref.dtype:
+            if len(self._subset_groups) >= _SUBSET_CACHE:  # many distinct draws (large n and k): start afresh
+                self._subset_groups = {}
+            cached = self._subset_groups[key] = self._build_groups(ref.device, ref.dtype,
+                                                                   [entries[i] for i in subset])
+        return cached[0], cached[1], len(entries) / len(subset)
+
+    def _add_terms(self, total: Tensor, p: Tensor, parts: list) -> Tensor:
+        """``total`` plus Σ over one group's stacked tasks of Σ_c ‖L_c⁻¹ Δ_c‖² (FROMP-L2: the scaled ‖Δ‖²), from
+        the group's compared outputs ``p`` (probabilities or logits, one row per memorable point)."""
+        for sl, n_tasks, m, cols, drop_last, p_old, mask, chol in parts:
+            pe = p[sl].reshape(n_tasks, m, -1)
+            if cols is not None:
+                pe = torch.gather(pe, 2, cols.unsqueeze(1).expand(n_tasks, m, cols.shape[1]))
+            if self.output == "logits":
+                pe = pe - pe.mean(-1, keepdim=True)  # centred over the compared outputs, as p_old
+            d = pe - p_old  # [E, M, C]
+            if chol is None:  # FROMP-L2
+                sq = (d * d).sum()
+                total = total + (sq if self.output == "probs" else self._identity_scale(d.shape[-1]) * sq)
+                continue
+            if self.kernel == "full":  # one kernel over (point, output), index m·C' + c (C' = C − 1 if dropped)
+                rhs = (d[..., :-1] if drop_last else d).reshape(n_tasks, -1, 1)
+            else:  # one kernel per class
+                rhs = d.transpose(1, 2).unsqueeze(-1)  # [E, C, M, 1]
+            if mask is not None:  # dropped (point, output) pairs: Δ = 0 on their decoupled rows
+                rhs = rhs * mask
+            z = torch.linalg.solve_triangular(chol, rhs, upper=False)
+            total = total + (z * z).sum()
+        return total
+
     @full_precision
     def _penalty(self, model: nn.Module, batch: Batch, task: Task, params: ParamDict | None,
                  outer: tuple[str, torch.dtype] | None, subset: list[int] | None = None) -> Tensor:
@@ -733,15 +804,7 @@ class FunctionalRegularizer:
         zero = torch.zeros((), device=ref.device, dtype=ref.dtype)
         if self.tau == 0.0 or not len(self.memory):
             return zero
-        if subset is None:
-            if (self._groups is None or self._groups[0][1].device != ref.device
-                    or self._groups[0][1].dtype != ref.dtype):
-                self._groups, self._group_tasks = self._build_groups(ref.device, ref.dtype)
-            groups, group_tasks, scale = self._groups, self._group_tasks, 1.0
-        else:
-            entries = list(self.memory)
-            groups, group_tasks = self._build_groups(ref.device, ref.dtype, [entries[i] for i in subset])
-            scale = len(entries) / len(subset)
+        groups, group_tasks, scale = self._select_groups(ref, subset)
         total = zero
         for (head, x, parts), task_id in zip(groups, group_tasks):
             with eval_mode(model), self._norm(model, task_id):  # as the reference: no dropout noise in Δp
@@ -749,27 +812,60 @@ class FunctionalRegularizer:
                     f = forward(model, x, head, params)
                 f = to_fp32(f)  # bf16 outputs of a resumed autocast; fp32 / fp64 ones stay as they are
                 p = torch.softmax(f, dim=-1) if self.output == "probs" else f
-            for sl, n_tasks, m, cols, drop_last, p_old, mask, chol in parts:
-                pe = p[sl].reshape(n_tasks, m, -1)
-                if cols is not None:
-                    pe = torch.gather(pe, 2, cols.unsqueeze(1).expand(n_tasks, m, cols.shape[1]))
-                if self.output == "logits":
-                    pe = pe - pe.mean(-1, keepdim=True)  # centred over the compared outputs, as p_old
-                d = pe - p_old  # [E, M, C]
-                if chol is None:  # FROMP-L2
-                    sq = (d * d).sum()
-                    total = total + (sq if self.output == "probs" else self._identity_scale(d.shape[-1]) * sq)
-                    continue
-                if self.kernel == "full":  # one kernel over (point, output), index m·C' + c (C' = C − 1 if dropped)
-                    rhs = (d[..., :-1] if drop_last else d).reshape(n_tasks, -1, 1)
-                else:  # one kernel per class
-                    rhs = d.transpose(1, 2).unsqueeze(-1)  # [E, C, M, 1]
-                if mask is not None:  # dropped (point, output) pairs: Δ = 0 on their decoupled rows
-                    rhs = rhs * mask
-                z = torch.linalg.solve_triangular(chol, rhs, upper=False)
-                total = total + (z * z).sum()
+            total = self._add_terms(total, p, parts)
         # every task: the same expression as before the option existed, so its records stay bit-identical
         return 0.5 * self.tau * total if scale == 1.0 else (0.5 * self.tau * scale) * total
+
+    def penalty_and_outputs(self, model: nn.Module, batch: Batch, task: Task) -> tuple[Tensor, Tensor]:
+        """(the minibatch's outputs ``model(batch.x, head=batch.head)``, :meth:`penalty`) from **one** forward pass
+        over the minibatch and the memorable points of every head (``fused_forward``; module docstring).
+
+        The same function and gradient as the separate passes, rounded differently: each weight's gradient sums the
+        minibatch's and the memorable points' rows in one matrix product, and the small per-head passes become one
+        large one (fewer, larger kernels). It needs a model whose forward is the same in train and eval mode (the
+        penalty's points are evaluated in eval mode, the minibatch in the caller's), so no dropout with p > 0, no
+        BatchNorm, no module of unknown mode (:func:`~continual_blr.memory.train_eval_difference`). Inside a bf16
+        autocast it needs ``forward_precision="train"`` (the pass runs in the training step's precision); the
+        softmax, Δ, the solves and the sum run in fp32 as in :meth:`penalty`. The same tasks are drawn from the
+        generator as :meth:`penalty` draws.
+
+        Raises:
+            ValueError: a mode-dependent module, per-task BatchNorm statistics, or an fp32 penalty under autocast.
+        """
+        if self.tau == 0.0 or not len(self.memory):
+            return forward(model, batch.x, batch.head), self._penalty(model, batch, task, None, None)
+        self._check_fusable(model)
+        subset = self.draw_tasks()
+        ref = next(p for p in model.parameters())
+        groups, _, scale = self._select_groups(ref, subset)
+        outs = forward_parts(model, [batch.x] + [x for _, x, _ in groups], [batch.head] + [h for h, _, _ in groups])
+        return outs[0], self._fused_penalty(outs[1:], groups, scale)
+
+    @full_precision
+    def _fused_penalty(self, outputs: list[Tensor], groups: list, scale: float) -> Tensor:
+        """(τ/2) · scale · Σ over ``groups`` of their terms, from each group's outputs of the fused pass (fp32)."""
+        total = torch.zeros((), device=outputs[0].device, dtype=outputs[0].dtype)
+        for f, (_, _, parts) in zip(outputs, groups):
+            total = self._add_terms(total, torch.softmax(f, dim=-1) if self.output == "probs" else f, parts)
+        return 0.5 * self.tau * total if scale == 1.0 else (0.5 * self.tau * scale) * total
+
+    def _check_fusable(self, model: nn.Module) -> None:
+        """One-line ``ValueError`` when the fused pass would not compute the separate passes' function (the model's
+        modules are checked once per model and module count)."""
+        if self.norm_statistics is not None:
+            raise ValueError("params.fused_forward: not with train.batchnorm 'per_task' (each stored task runs on its "
+                             "own statistics); allowed: fused_forward false")
+        if active_autocast() is not None and self.forward_precision != "train":
+            raise ValueError("params.fused_forward: under train.precision bf16 the one pass runs in bf16, so it needs "
+                             "forward_precision 'train'; allowed: forward_precision 'train', or fused_forward false")
+        key = (id(model), sum(1 for _ in model.modules()))
+        if self._fusable != key:
+            which = train_eval_difference(model)
+            if which is not None:
+                raise ValueError(f"params.fused_forward: the model's {which} may compute differently in train and "
+                                 "eval mode, and the penalty's points run in eval mode; allowed: a model of layers "
+                                 "without dropout or BatchNorm, or fused_forward false")
+            self._fusable = key
 
     # ------------------------------------------------------------------------------ state_dict
 
@@ -779,7 +875,7 @@ class FunctionalRegularizer:
                 "class_incremental": self.class_incremental, "memory_size": self.memory_size, "output": self.output,
                 "jitter_relative": self.jitter_relative, "drop_below": self.drop_below,
                 "forward_precision": self.forward_precision, "tasks_per_step": self.tasks_per_step,
-                "task_estimator": self.task_estimator}
+                "task_estimator": self.task_estimator, "fused_forward": self.fused_forward}
 
     def state_dict(self) -> dict[str, Any]:
         """Plain tensors / dicts / lists only (``torch.load(weights_only=True)`` reads it back)."""
@@ -808,4 +904,4 @@ class FunctionalRegularizer:
         self.kron = {w: dict(st) for w, st in state.get("kron", {}).items()}
         self.memory.load_state_dict(state["memory"])
         self._saga = (-1, {}, None)  # the SAGA table is cleared at the next rebuild anyway (Δp = 0 there)
-        self._groups = None
+        self._clear_groups()
