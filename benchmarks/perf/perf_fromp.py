@@ -279,11 +279,15 @@ def rows_floor(cfg, tasks_per_step: int) -> float:
 
 
 def end_to_end(data_dir: str | None, quick: bool, benchmark: str = "split_mnist",
-               tasks_per_step: list[int] | None = None, fused: bool = False) -> str:
+               tasks_per_step: list[int] | None = None, fused: bool = False, repeats: int = 1) -> str:
     """CPU seconds of the split-MNIST ``none`` and ``fromp`` runs in this invocation (and of ``fromp`` with each
     ``tasks_per_step`` k given: the penalty's unbiased estimate over k past tasks per step; with ``fused`` each FROMP
     run also with ``fused_forward``: one forward pass for the minibatch and the memorable points), and the FROMP
-    profile."""
+    profile. With ``repeats`` R > 1 every row runs R times in rounds (each round all rows in order, so a change of
+    the machine's load hits a round's rows alike): each row's median CPU and the median, smallest and largest over
+    the rounds of its ratio to that round's ``none``."""
+    if repeats < 1:
+        raise ValueError(f"--repeats: must be >= 1, got {repeats}")
     import cProfile
     import pstats
 
@@ -296,9 +300,10 @@ def end_to_end(data_dir: str | None, quick: bool, benchmark: str = "split_mnist"
     cfgs += [(label, with_params(_split_mnist_config("fromp", data_dir, quick, benchmark), extra))
              for label, extra in variants]
     floors = {label: rows_floor(cfg, cfg.methods[0].params.get("tasks_per_step", 0)) for label, cfg in cfgs[1:]}
-    runs = timed_runs(cfgs)
-    cpu = {m: r[0] for m, r in runs.items()}
-    accs = {m: r[2] for m, r in runs.items()}
+    rounds = [timed_runs(cfgs) for _ in range(repeats)]
+    cpu = {m: statistics.median(r[m][0] for r in rounds) for m in rounds[0]}
+    ratios = {m: sorted(r[m][0] / r["none"][0] for r in rounds) for m in rounds[0]}
+    accs = {m: r[2] for m, r in rounds[0].items()}
     prof = cProfile.Profile()
     prof.enable()
     run_config(_split_mnist_config("fromp", data_dir, quick, benchmark), save=False)
@@ -306,16 +311,19 @@ def end_to_end(data_dir: str | None, quick: bool, benchmark: str = "split_mnist"
     stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
     total = sum(v[2] for v in stats.values())
     tps = " --tasks-per-step " + " ".join(map(str, tasks_per_step)) if tasks_per_step else ""
-    tps += " --fused" if fused else ""
+    tps += (" --fused" if fused else "") + (f" --repeats {repeats}" if repeats > 1 else "")
     lines = [f"# FROMP end to end on {benchmark} ({'QUICK: epochs / 5' if quick else 'full budget'})", "",
              f"Command: `python benchmarks/perf/perf_fromp.py --end-to-end --benchmark {benchmark}{' --quick' if quick else ''}{tps} "
              "--data-dir $CONTINUAL_BLR_DATA --threads 1`; torch threads "
              f"{torch.get_num_threads()}, {platform.machine()}. Accuracies on the held-out "
-             f"{PERF_VALIDATION:g} of each task's training data (validation, not test).", "",
-             "| run | CPU (s) | × none | rows per step × none (floor) | final avg acc (%) |", "|---|---|---|---|---|"]
+             f"{PERF_VALIDATION:g} of each task's training data (validation, not test)"
+             f"{f'; {repeats} rounds, medians' if repeats > 1 else ''}.", "",
+             "| run | CPU (s) | × none | × none, min-max | rows per step × none (floor) | final avg acc (%) |",
+             "|---|---|---|---|---|---|"]
     for m in cpu:
         floor = f"{floors[m]:.2f}" if m in floors else "1.00"
-        lines.append(f"| {m} | {cpu[m]:.1f} | {cpu[m] / cpu['none']:.2f} | {floor} | {accs[m]:.2f} |")
+        lines.append(f"| {m} | {cpu[m]:.1f} | {statistics.median(ratios[m]):.2f} | {ratios[m][0]:.2f}-"
+                     f"{ratios[m][-1]:.2f} | {floor} | {accs[m]:.2f} |")
     lines += ["", "Rows per step × none: the minibatch and the memorable points the step passes through the network, over "
               "the minibatch alone, averaged over the tasks (`rows_floor`): the ratio a run whose cost is all matrix "
               "products cannot go under (FROMP clips the gradient, `none` does not; neither is in the floor)."]
@@ -340,13 +348,14 @@ def main(argv: list[str] | None = None) -> int:
                         "--end-to-end: the configs/ folder (split_digits: a smoke run)")
     ap.add_argument("--tasks-per-step", type=int, nargs="*", default=None, metavar="K",
                     help="--end-to-end: also time fromp with params.tasks_per_step K (one run per K)")
+    ap.add_argument("--repeats", type=int, default=1, help="--end-to-end: rounds of all rows (medians reported)")
     ap.add_argument("--fused", action="store_true",
                     help="--end-to-end: also time each fromp run with params.fused_forward (one forward pass)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.end_to_end:
         write_end_to_end("fromp", args, end_to_end(args.data_dir, args.quick, args.benchmark, args.tasks_per_step,
-                                                   args.fused))
+                                                   args.fused, args.repeats))
         return 0
     load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     res = run(args.steps, args.rebuilds, args.n_train)
