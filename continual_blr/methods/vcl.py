@@ -56,6 +56,13 @@ coreset included, as in the paper's code) with the plain likelihood (the ``"none
 config's optimiser) through the one training loop; VCL then starts from those means with
 log σ² = ``init_log_variance``.
 
+**Where q starts a task** (``task_start``, bbb): the paper's code starts task t at q_{t−1} (``"carry"``). Improved VCL
+(Swaroop et al. 2019; its released code, ``benchmarks/results/search/vcl_reference_differences.md``) starts every
+task afresh — means redrawn, log σ² back to its initial value — with q_{t−1} still the prior. ``"reinit"`` does that
+(means from the library's initialisation U(±1/√fan_in), not the released code's N(0, 0.1²)); ``"reinit_variance"``
+resets only log σ². The objective, and so its optimum, is the same; a warm start's weights whose q reverted to the
+prior's variance start the next task with that noise, a reset one at e^{init_log_variance}.
+
 Predictions average the softmax (regression: the outputs) over ``predict_samples`` draws θ ~ q. With a
 coreset (``coreset_size`` > 0 examples per task, ``coreset_kind`` ``"random"`` or ``"kcenter"`` — greedy
 farthest-point on the inputs), after task t a *copy* of q_t is fine-tuned for ``coreset_epochs`` with
@@ -85,11 +92,13 @@ from ..regularizers.weight_space import used_parameters
 from ..types import Batch, params_of
 from . import local_reparam
 from .base import Method, TrainConfig, fit_auxiliary, mean_nll
-from .blr import BLRMethod, BLRParams
+from .blr import BLRMethod, BLRParams, redraw_layers
 
-__all__ = ["VCLParams", "VCLMethod", "select_coreset", "OPTIMIZERS", "CORESETS", "VOGN_CURVATURES", "ESTIMATORS"]
+__all__ = ["VCLParams", "VCLMethod", "select_coreset", "OPTIMIZERS", "CORESETS", "VOGN_CURVATURES", "ESTIMATORS",
+           "TASK_STARTS"]
 
 OPTIMIZERS = ("vogn", "bbb")
+TASK_STARTS = ("carry", "reinit", "reinit_variance")
 ESTIMATORS = ("weights", "local")
 CORESETS = ("random", "kcenter")
 VOGN_CURVATURES = ("empirical_fisher", "ggn", "mc_fisher", "gauss_newton")
@@ -131,6 +140,12 @@ class VCLParams:
         coreset_kind: ``"random"`` or ``"kcenter"``.
         coreset_epochs: fine-tuning epochs on the coresets before prediction (None: ``train.epochs``;
             0: hold the coreset out but predict with q_t).
+        task_start: bbb only — where q starts each task after the first (the prior q_{t−1} is the same either way):
+            ``"carry"`` (default, the VCL paper's code: q_t starts at q_{t−1}), ``"reinit_variance"`` (every active
+            log σ² set back to ``init_log_variance``, the means kept) or ``"reinit"`` (that, and the means of every
+            active Linear / Conv2d layer redrawn from U(±1/√fan_in), the library's initialisation; improved VCL's
+            released code redraws them from N(0, 0.1²) and starts every task so). Only the optimisation's start
+            moves; the objective E_q[ℓ] + KL(q ‖ q_{t−1}) / N is unchanged.
     """
 
     optimizer: str = "vogn"
@@ -153,6 +168,7 @@ class VCLParams:
     coreset_size: int = 40
     coreset_kind: str = "kcenter"
     coreset_epochs: int | None = None
+    task_start: str = "carry"
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -189,6 +205,11 @@ class VCLParams:
             raise ValueError(f"params.coreset_kind: got {self.coreset_kind!r}; allowed: {', '.join(map(repr, CORESETS))}")
         if self.coreset_epochs is not None and self.coreset_epochs < 0:
             raise ValueError(f"params.coreset_epochs: must be >= 0 or null, got {self.coreset_epochs}")
+        if self.task_start not in TASK_STARTS:
+            raise ValueError(f"params.task_start: got {self.task_start!r}; allowed: {', '.join(map(repr, TASK_STARTS))}")
+        if self.task_start != "carry" and self.optimizer != "bbb":
+            raise ValueError(f"params.task_start: {self.task_start!r} is for optimizer 'bbb' only; allowed with "
+                             f"{self.optimizer!r}: 'carry'")
 
 
 def select_coreset(x: Tensor, size: int, kind: str, generator: torch.Generator) -> Tensor:
@@ -332,6 +353,8 @@ class VCLMethod(Method):
             self._ml_init(model, task)
         self._n_started += 1
         self._activate(model, task)
+        if self._n_started > 1 and p.task_start != "carry":
+            self._restart(model)
         if p.coreset_size > 0:
             idx = select_coreset(task.x_train, p.coreset_size, p.coreset_kind, self.generator)
             keep = torch.ones(task.n_train, dtype=torch.bool, device=task.x_train.device)
@@ -383,6 +406,17 @@ class VCLMethod(Method):
                 for k in new:
                     self.kl.log_var[k].fill_(self.params.init_log_variance)
             self.kl.set_active(self.active)
+
+    def _restart(self, model: nn.Module) -> None:
+        """``task_start`` other than ``"carry"`` (bbb): q's start for this task moves, its prior does not. Every
+        active log σ² is set to ``init_log_variance``; with ``"reinit"`` the active Linear / Conv2d layers' means
+        are also redrawn from U(±1/√fan_in) with the method's generator (``blr.redraw_layers``)."""
+        assert self.kl is not None
+        with torch.no_grad():
+            for k in self.active:
+                self.kl.log_var[k].fill_(self.params.init_log_variance)
+        if self.params.task_start == "reinit":
+            redraw_layers(model, set(self.active), self.generator)
 
     def _cover(self, model: nn.Module) -> None:
         """Extend q_0 (and bbb's log σ²) to trainable parameters that appeared since ``setup`` (e.g. a head an
