@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from conftest import EXACT
+from fromp_cases import store_past_tasks
 from continual_blr.data import make_stream
 from continual_blr.memory import forward, forward_parts, train_eval_difference
 from continual_blr.methods import MethodParamsError, TrainConfig, build_method
@@ -43,16 +44,7 @@ def _method_with_past(scenario: str, fused: bool, **params):
     method = build_method("fromp", {"tau": 3.0, "n_points": 6, "prior_precision": 1e-2, "jitter": 1e-6,
                                     "fused_forward": fused, **params}, seed=1)
     method.setup(model, s, TrainConfig(batch_size=8))
-    g = torch.Generator().manual_seed(2)
-    for t in tasks[:-1]:
-        method.on_task_end(model, t)
-        with torch.no_grad():  # each task ends at other weights, so each stored task has its own kernel
-            for p in model.parameters():
-                p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=DT))
-    method.on_task_start(model, tasks[-1])
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=DT))
+    store_past_tasks(method.on_task_end, method.on_task_start, model, tasks, torch.Generator().manual_seed(2))
     return method, model, tasks[-1]
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import EXACT
+from fromp_cases import store_past_tasks
 from continual_blr.data import make_stream
 from continual_blr.methods import MethodParamsError, build_method
 from continual_blr.models import build_model
@@ -36,16 +37,7 @@ def _regulariser_with_past(scenario: str, k: int, n_past: int = 4, kernel: str =
     reg = FunctionalRegularizer(tau=3.0, n_points=6, kernel=kernel, prior_precision=1e-2, jitter=1e-6,
                                 class_incremental=scenario == "class", tasks_per_step=k,
                                 generator=torch.Generator().manual_seed(1))
-    g = torch.Generator().manual_seed(2)
-    for t in tasks[:-1]:
-        reg.on_task_end(model, t)
-        with torch.no_grad():  # each task ends at other weights, so each stored task has its own kernel
-            for p in model.parameters():
-                p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=DT))
-    reg.on_task_start(model, tasks[-1])
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=DT))
+    store_past_tasks(reg.on_task_end, reg.on_task_start, model, tasks, torch.Generator().manual_seed(2))
     return reg, model, tasks[-1]
 
 
