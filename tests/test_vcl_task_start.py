@@ -89,3 +89,28 @@ def test_task_start_values_are_one_line_errors():
         build_method("vcl", {"optimizer": "bbb", "task_start": "fresh"})
     with pytest.raises(MethodParamsError, match="params.task_start: 'reinit' is for optimizer 'bbb' only"):
         build_method("vcl", {"optimizer": "vogn", "task_start": "reinit"})
+
+
+@pytest.mark.parametrize("task_start", ["reinit_variance", "reinit"])
+def test_the_coreset_copy_fine_tunes_q_t_whatever_the_start(task_start):
+    """The predictive copy is q_t fine-tuned on the coresets: it starts at q_t, not afresh. Task 1 trains alike under
+    every start (the reset comes at task 2), so after task 1 the copy must be the carry run's, bit for bit."""
+    torch.set_num_threads(1)
+    copies = []
+    for start in ("carry", task_start):
+        stream = make_stream("synthetic", scenario="domain", n_tasks=2, n_train=40, n_test=20, n_features=5, seed=3)
+        model = build_model("mlp", stream.input_shape, stream.n_outputs, stream.n_heads, hidden=(8,),
+                            generator=torch.Generator().manual_seed(0))
+        method = build_method("vcl", {"optimizer": "bbb", "coreset_size": 6, "coreset_kind": "random",
+                                      "coreset_epochs": 3, "predict_samples": 2, "lr": 0.01, "log_var_lr": 0.05,
+                                      "init_log_variance": INIT_LOG_VAR, "task_start": start}, seed=1)
+        method.use_likelihood(stream.likelihood, stream.sigma)
+        train = TrainConfig(epochs=2, batch_size=16)
+        method.setup(model, stream, train)
+        t1 = stream.tasks[0]
+        fit_task(model, t1, method, train, seen=[t1], generator=torch.Generator().manual_seed(2), progress=False)
+        copies.append(method._predictive)
+    carry, other = copies
+    assert carry is not None and other is not None
+    for k in carry.mean:
+        assert torch.equal(other.mean[k], carry.mean[k]) and torch.equal(other.precision[k], carry.precision[k]), k

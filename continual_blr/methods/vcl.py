@@ -509,7 +509,9 @@ class VCLMethod(Method):
         train = dataclasses.replace(self._train, epochs=epochs)
         seed = self.seed + 1009 * (task.task_id + 1) + 7 * salt  # own random streams: the main run is unaffected
         twin = copy.deepcopy(model)
-        inner = VCLMethod(dataclasses.replace(self.params, coreset_size=0, ml_init_epochs=0), seed=seed)
+        # the copy starts at q_t whatever this run's task_start: it fine-tunes q_t, it does not start a new task
+        inner = VCLMethod(dataclasses.replace(self.params, coreset_size=0, ml_init_epochs=0, task_start="carry"),
+                          seed=seed)
         inner.use_likelihood(self.likelihood, self.sigma)
         inner.setup(twin, None, train)
         q_t = self._carried  # on_task_end made q_t the carried prior
