@@ -260,3 +260,32 @@ def test_the_pooled_weight_noise_resumes_exactly(name, calls, tmp_path, monkeypa
     method = "{name: blr, params: {curvature: price, init_hess: 0.01, noise: pooled, noise_refresh: 3}}"
     ref, out = _run_interrupt_resume(tmp_path, monkeypatch, method, name, calls)
     _same(_load(ref / "blr" / "model.pt"), _load(out / "blr" / "model.pt"), "model")
+
+
+VCL_CONFIG = """\
+stream: {name: synthetic, options: {n_tasks: 3, n_train: 40}}
+model: {hidden: [8]}
+train: {epochs: 2, batch_size: 10}
+seed: 3
+methods:
+  - {name: vcl, params: {optimizer: bbb, coreset_size: 4, predict_samples: 2, ml_init_epochs: 1, task_start: START}}
+"""
+
+
+@pytest.mark.parametrize("start", ["carry", "reinit"])
+def test_vcl_resumed_at_a_task_boundary_keeps_its_coresets_and_task_count(tmp_path, monkeypatch, capsys, start):
+    """VCL's state holds the coresets held out so far (every fine-tuning copy trains on all of them) and the number
+    of tasks started (the ML start runs before task 1 only; task_start resets from task 2 on). Resumed before task
+    3, the run equals the uninterrupted one; without them its last row differed (an ML start on task 3, task 3's
+    coreset alone, no reset)."""
+    cfg = tmp_path / "vcl.yaml"
+    cfg.write_text(VCL_CONFIG.replace("START", start))
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    assert main(["run", str(cfg), "--out", str(ref), "--no-progress", "--threads", "1"]) == 0
+    with monkeypatch.context() as patch:
+        _interrupt_after(patch, "fit_task", 3)
+        assert main(["run", str(cfg), "--out", str(out), "--no-progress"]) == 130
+    capsys.readouterr()
+    assert main(["run", "--resume", str(out), "--no-progress"]) == 0
+    assert _matrices(out) == _matrices(ref)
+    _same(_load(ref / "vcl" / "method.pt"), _load(out / "vcl" / "method.pt"), "vcl/method")
