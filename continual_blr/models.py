@@ -41,8 +41,8 @@ class MultiHeadNet(nn.Module):
 
         ``parts`` lists (head, rows) for consecutive row blocks of ``x`` (their rows summing to ``len(x)``); block i
         gets ``forward(x_i, head=h_i)``, computed as one body pass over all rows instead of one per block (what
-        FROMP's ``fused_forward`` uses: the minibatch and the memorable points of every head in one pass). Blocks
-        that share a head share one head product; a single-head net applies its head once.
+        FROMP's ``fused_forward`` uses: the minibatch and the memorable points of every head in one pass). When all
+        blocks use one head (always in a single-head net) that head runs once over all rows; otherwise once per block.
         """
         sizes = [int(n) for _, n in parts]
         if sum(sizes) != x.shape[0]:
