@@ -575,8 +575,9 @@ class VCLMethod(Method):
                                  # tasks started (the ML start and task_start read it) and the coresets held out so
                                  # far (every later fine-tuning copy trains on all of them)
                                  "n_started": self._n_started,
-                                 "coresets": [{"task_id": c.task_id, "x": c.x_train, "y": c.y_train,
-                                               "classes": list(c.classes), "head": c.head, "name": c.name}
+                                 # (their examples and heads: what fine-tuning reads; a stream's or Avalanche's
+                                 # names and class lists are not state)
+                                 "coresets": [{"task_id": c.task_id, "x": c.x_train, "y": c.y_train, "head": c.head}
                                               for c in self.coresets]}
         if self._carried is not None:
             state["carried"] = self._carried.state_dict()
@@ -594,9 +595,8 @@ class VCLMethod(Method):
         self.active = list(state.get("active", self.active))
         self._n_started = int(state.get("n_started", self._n_started))
         if "coresets" in state:
-            self.coresets = [Task(int(c["task_id"]), c["x"], c["y"], c["x"][:0], c["y"][:0],
-                                  tuple(int(k) for k in c["classes"]), int(c["head"]), str(c["name"]))
-                             for c in state["coresets"]]
+            self.coresets = [Task(int(c["task_id"]), c["x"], c["y"], c["x"][:0], c["y"][:0], (), int(c["head"]),
+                                  f"task{int(c['task_id'])}-coreset") for c in state["coresets"]]
         if "generator" in state:  # the random streams: a reloaded VCL draws the samples the saved one would
             self.generator.set_state(state["generator"])
             self._predict_generator.set_state(state["predict_generator"])
