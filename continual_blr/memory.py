@@ -76,6 +76,8 @@ __all__ = [
     "forward",
     "forward_parts",
     "train_eval_difference",
+    "row_split_refusal",
+    "eval_rows_after",
     "NORM_MODES",
     "NormStatistics",
     "norm_layers",
@@ -135,6 +137,94 @@ def train_eval_difference(model: nn.Module) -> str | None:
             continue
         return f"{name or '<model>'} ({type(m).__name__})"
     return None
+
+
+def _row_splittable(m: nn.Module) -> bool:
+    """Whether :func:`eval_rows_after` can run ``m`` in train mode on leading rows and in eval mode on the rest."""
+    if isinstance(m, nn.modules.dropout._DropoutNd):
+        return not m.inplace or m.p == 0
+    if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        return m.track_running_stats and m.running_mean is not None and m.running_var is not None
+    return False
+
+
+def row_split_refusal(model: nn.Module) -> str | None:
+    """A module of ``model`` that :func:`eval_rows_after` cannot split by rows, as ``"name (Type)"``; None when every
+    module is mode-free (:func:`train_eval_difference`, and the containers of
+    :data:`~continual_blr.models.MODE_FREE_CONTAINERS`) or row-splittable: dropout (any p, not in place) and
+    BatchNorm with running statistics. In-place dropout (its input is overwritten, so the eval rows are lost), BatchNorm
+    without running statistics (its eval forward normalises by the statistics of whatever rows share the pass) and any
+    other module type are named."""
+    from .models import MODE_FREE_CONTAINERS, MultiHeadNet  # a leaf module (torch only), imported here as above
+
+    for name, m in model.named_modules():
+        if isinstance(m, MultiHeadNet) and type(m).forward is MultiHeadNet.forward:
+            continue
+        if type(m) in _MODE_FREE or type(m) in MODE_FREE_CONTAINERS or _row_splittable(m):
+            continue
+        return f"{name or '<model>'} ({type(m).__name__})"
+    return None
+
+
+def _split_forward(m: nn.Module, n: int):
+    """A forward for ``m`` (in train mode) that runs rows [:n] through its own train-mode forward and rows [n:] as
+    its eval-mode forward would: the identity for dropout, the running statistics for BatchNorm — read after the
+    train rows have updated them, as a separate eval pass after the minibatch's would."""
+    own = m.forward
+    if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        def rest(x: Tensor) -> Tensor:
+            return nn.functional.batch_norm(x, m.running_mean, m.running_var, m.weight, m.bias, False, 0.0, m.eps)
+    else:
+        def rest(x: Tensor) -> Tensor:
+            return x
+
+    def fwd(x: Tensor) -> Tensor:
+        if x.shape[0] <= n:
+            return own(x)
+        return torch.cat([own(x[:n]), rest(x[n:])])
+
+    return fwd
+
+
+@contextmanager
+def eval_rows_after(model: nn.Module, n: int) -> Iterator[None]:
+    """Within the block, every dropout and BatchNorm module of ``model`` that is in train mode runs its train-mode
+    forward on the first ``n`` rows of its input and its eval-mode forward on the rest.
+
+    This is what one pass over ``[minibatch; memorable points]`` needs to compute the separate passes' function: the
+    minibatch in train mode, then the penalty's points in eval mode (:func:`forward_parts`, FROMP's
+    ``fused_forward``). Every layer between them treats rows independently, so row i of the pass equals row i of the
+    separate pass it belongs to:
+
+    * dropout draws its mask for the n train rows only — the same shape, so the same draws from the global generator
+      as the minibatch's own pass — and passes the rest unchanged (its eval forward);
+    * BatchNorm normalises the n rows by their batch statistics and updates its running statistics from them (as
+      the minibatch's pass does), then normalises the rest by the updated running statistics, which is what the
+      penalty's eval pass after the minibatch's reads.
+
+    Modules in eval mode (``train.batchnorm: frozen``, a model put in eval mode) keep their forward: it is the eval
+    one for every row. Each module's forward is restored on exit, also after an error.
+
+    Raises:
+        ValueError: a module that cannot be split by rows (:func:`row_split_refusal`), in train mode.
+    """
+    patched = []
+    try:
+        for name, m in model.named_modules():
+            if not m.training or not isinstance(m, (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)):
+                continue
+            if isinstance(m, nn.modules.dropout._DropoutNd) and m.p == 0:
+                continue
+            if not _row_splittable(m):
+                raise ValueError(f"eval_rows_after: {name} ({type(m).__name__}) cannot run its train and eval forward "
+                                 "on separate rows of one pass (in-place dropout, or BatchNorm without running "
+                                 "statistics)")
+            m.forward = _split_forward(m, int(n))
+            patched.append(m)
+        yield
+    finally:
+        for m in patched:
+            del m.forward
 
 
 def forward_parts(model: nn.Module, xs: list[Tensor], heads: list[int]) -> list[Tensor]:

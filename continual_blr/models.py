@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-__all__ = ["MLP", "CifarNet", "ReducedResNet18", "MultiHeadNet", "build_model"]
+__all__ = ["MLP", "CifarNet", "ReducedResNet18", "MultiHeadNet", "build_model", "MODE_FREE_CONTAINERS"]
 
 
 class MultiHeadNet(nn.Module):
@@ -156,6 +156,12 @@ class ReducedResNet18(MultiHeadNet):
 
     def __init__(self, in_channels: int = 3, n_outputs: int = 10, n_heads: int = 1, nf: int = 20) -> None:
         super().__init__(_ResNetBody(in_channels, nf), 8 * nf, n_outputs, n_heads)
+
+
+MODE_FREE_CONTAINERS: tuple[type[nn.Module], ...] = (_BasicBlock, _ResNetBody)
+"""This module's containers whose own forward reads no ``training`` flag and treats rows independently (their
+submodules are checked on their own): FROMP's one-pass forward (:func:`continual_blr.memory.row_split_refusal`)
+accepts them."""
 
 
 def build_model(arch: str, input_shape: tuple[int, ...], n_outputs: int, n_heads: int,

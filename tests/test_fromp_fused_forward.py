@@ -18,10 +18,10 @@ from torch import nn
 from conftest import EXACT
 from fromp_cases import store_past_tasks
 from continual_blr.data import make_stream
-from continual_blr.memory import forward, forward_parts, train_eval_difference
+from continual_blr.memory import eval_rows_after, forward, forward_parts, row_split_refusal, train_eval_difference
 from continual_blr.methods import MethodParamsError, TrainConfig, build_method
 from continual_blr.methods.fromp import functional_loss
-from continual_blr.models import CifarNet, ReducedResNet18, build_model
+from continual_blr.models import CifarNet, ReducedResNet18, _reinit, build_model
 from continual_blr.loop import fit_task
 from continual_blr.types import Batch, flatten
 
@@ -156,21 +156,153 @@ def test_train_eval_difference_names_the_mode_dependent_module():
     assert "Custom" in train_eval_difference(nn.Sequential(nn.Linear(2, 2), Custom()))
 
 
-@pytest.mark.parametrize("model,word", [
-    (lambda: nn.Sequential(nn.Flatten(), nn.Linear(5, 8), nn.Dropout(0.3), nn.ReLU(), nn.Linear(8, 2)), "Dropout"),
-    (lambda: nn.Sequential(nn.Flatten(), nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2)),
-     "BatchNorm1d"),
+@pytest.mark.parametrize("model,word,name", [
+    (lambda: nn.Sequential(nn.Flatten(), nn.Linear(5, 8), nn.Dropout(0.3, inplace=True), nn.ReLU(), nn.Linear(8, 2)),
+     "Dropout", "fromp"),
+    # (the curvature engine refuses BatchNorm without running statistics itself, so FROMP-L2 reaches the step)
+    (lambda: nn.Sequential(nn.Flatten(), nn.Linear(5, 8), nn.BatchNorm1d(8, track_running_stats=False), nn.ReLU(),
+                           nn.Linear(8, 2)), "BatchNorm1d", "fromp-l2"),
+    (lambda: nn.Sequential(nn.Flatten(), nn.Linear(5, 8), _Doubler(), nn.Linear(8, 2)), "_Doubler", "fromp"),
 ])
-def test_a_mode_dependent_model_is_a_one_line_error(model, word):
+def test_a_module_that_cannot_be_split_by_rows_is_a_one_line_error(model, word, name):
+    """In-place dropout (its eval rows overwritten), BatchNorm without running statistics (its eval rows would be
+    normalised by whatever shares the pass) and a module of unknown mode are refused by name."""
     s, tasks = _stream("domain", n_tasks=2)
     net = model().to(DT)
-    method = build_method("fromp", {"n_points": 4, "fused_forward": True})
+    assert row_split_refusal(net) is not None and word in row_split_refusal(net)
+    method = build_method(name, {"n_points": 4, "fused_forward": True})
     method.setup(net, s, TrainConfig(batch_size=8))
     method.on_task_end(net, tasks[0])
     method.on_task_start(net, tasks[1])
     with pytest.raises(ValueError, match=f"params.fused_forward: .*{word}") as err:
         method.loss(net, Batch(tasks[1].x_train[:4], tasks[1].y_train[:4], 0), tasks[1])
     assert "\n" not in str(err.value)
+
+
+class _Doubler(nn.Module):
+    def forward(self, x):
+        return x * 2 if self.training else x
+
+
+def test_row_split_refusal_accepts_the_library_networks():
+    assert row_split_refusal(CifarNet(n_outputs=2, n_heads=2, dropout=0.5)) is None
+    assert row_split_refusal(ReducedResNet18(n_outputs=2, n_heads=2, nf=4)) is None
+    assert "Custom" in row_split_refusal(nn.Sequential(nn.Linear(2, 2), type("Custom", (_Doubler,), {})()))
+
+
+def _bn_dropout_net() -> nn.Module:
+    g = torch.Generator().manual_seed(4)
+    net = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.4), nn.Linear(8, 6),
+                        nn.Dropout(0.2), nn.BatchNorm1d(6, momentum=None), nn.Linear(6, 3)).to(DT)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=DT))
+    return net
+
+
+def _bn_state(net: nn.Module) -> list[torch.Tensor]:
+    return [b.clone() for b in net.buffers()]
+
+
+def test_eval_rows_after_gives_train_rows_then_eval_rows():
+    """One pass in train mode under ``eval_rows_after(net, n)`` equals the minibatch's own train-mode pass (rows :n)
+    followed by an eval-mode pass over the rest (rows n:), to float64 round-off: outputs, the gradient of any function
+    of both, BatchNorm's running statistics and counters after the pass, and the global generator's state (dropout
+    draws for the minibatch's rows only). Oracle: the two separate passes on a copy of the network."""
+    import copy
+
+    g = torch.Generator().manual_seed(5)
+    xa, xb = torch.randn(7, 5, generator=g, dtype=DT), torch.randn(4, 5, generator=g, dtype=DT)
+    wa, wb = torch.randn(7, 3, generator=g, dtype=DT), torch.randn(4, 3, generator=g, dtype=DT)
+    sep = _bn_dropout_net().train()
+    one = copy.deepcopy(sep)
+    with torch.random.fork_rng():
+        torch.manual_seed(11)
+        ya = sep(xa)
+        sep.eval()
+        yb = sep(xb)
+        sep.train()
+        ((ya * wa).sum() + (yb * wb).sum()).backward()
+        rng_sep = torch.get_rng_state()
+        torch.manual_seed(11)
+        with eval_rows_after(one, 7):
+            y = one(torch.cat([xa, xb]))
+        ((y[:7] * wa).sum() + (y[7:] * wb).sum()).backward()
+        rng_one = torch.get_rng_state()
+    assert torch.equal(rng_sep, rng_one)
+    torch.testing.assert_close(y[:7], ya, **EXACT)
+    torch.testing.assert_close(y[7:], yb, **EXACT)
+    for a, b in zip(_bn_state(one), _bn_state(sep)):
+        torch.testing.assert_close(a, b, **EXACT)
+    for (name, p), q in zip(one.named_parameters(), sep.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **EXACT, msg=name)
+    assert all("forward" not in m.__dict__ for m in one.modules())  # every forward restored
+    one.eval()  # in eval mode nothing is split: the plain eval pass
+    with eval_rows_after(one, 7):
+        torch.testing.assert_close(one(torch.cat([xa, xb])), sep.eval()(torch.cat([xa, xb])), **EXACT)
+    assert (ya - sep(xa)).abs().max() > 1e-3  # the control: the train rows' pass differs from an eval pass
+
+
+def test_eval_rows_after_restores_the_forwards_after_an_error():
+    net = _bn_dropout_net().train()
+    with pytest.raises(RuntimeError):
+        with eval_rows_after(net, 3):
+            net(torch.zeros(5, 4, dtype=DT))  # wrong width
+    assert all("forward" not in m.__dict__ for m in net.modules())
+
+
+def _image_method_with_past(arch: str, fused: bool):
+    """As :func:`_method_with_past` on images (3 × 12 × 12, the synthetic blobs reshaped), with a CifarNet
+    (dropout 0.5) or a reduced ResNet-18 of 4 base filters (BatchNorm), in float64 and train mode."""
+    import dataclasses
+
+    torch.set_num_threads(1)
+    s = make_stream("synthetic", scenario="task", n_tasks=4, n_classes_per_task=2, n_features=3 * 12 * 12,
+                    n_train=30, n_test=5, seed=0)
+    shape = (3, 12, 12)
+    tasks = [dataclasses.replace(t.to("cpu", dtype=DT), x_train=t.x_train.to(DT).reshape(-1, *shape),
+                                 x_test=t.x_test.to(DT).reshape(-1, *shape)) for t in s.tasks]
+    s = dataclasses.replace(s, tasks=tasks, input_shape=shape)
+    if arch == "cifarnet":
+        model = CifarNet(3, s.n_outputs, s.n_heads, dropout=0.5, image_size=12)
+    else:
+        model = ReducedResNet18(3, s.n_outputs, s.n_heads, nf=4)
+    _reinit(model, torch.Generator().manual_seed(0))
+    model = model.to(DT).train()
+    method = build_method("fromp", {"tau": 3.0, "n_points": 6, "prior_precision": 1e-2, "jitter": 1e-6,
+                                    "fused_forward": fused}, seed=1)
+    method.setup(model, s, TrainConfig(batch_size=8))
+    store_past_tasks(method.on_task_end, method.on_task_start, model, tasks, torch.Generator().manual_seed(2))
+    model.train()
+    return method, model, tasks[-1]
+
+
+@pytest.mark.parametrize("arch", ["cifarnet", "reduced_resnet18"])
+def test_one_pass_with_dropout_and_batchnorm_gives_the_separate_passes(arch):
+    """CifarNet (dropout) and the reduced ResNet-18 (BatchNorm) in train mode: three steps' loss, penalty and
+    gradient of the one pass agree with the separate passes (minibatch in train mode, then the penalty in eval mode)
+    to float64 round-off, with the same dropout masks (the global generator seeded alike) and the same BatchNorm
+    running statistics after each step."""
+    sep, model, task = _image_method_with_past(arch, False)
+    fused, model_f, _ = _image_method_with_past(arch, True)
+    for step in range(3):
+        with torch.random.fork_rng():
+            torch.manual_seed(20 + step)
+            ls, ps, gs = _loss_and_grad(sep, model, task)
+            torch.manual_seed(20 + step)
+            lf, pf, gf = _loss_and_grad(fused, model_f, task)
+        assert ps > 0
+        torch.testing.assert_close(pf, ps, **EXACT)
+        torch.testing.assert_close(lf, ls, **EXACT)
+        torch.testing.assert_close(gf, gs, **EXACT)
+        for a, b in zip(_bn_state(model_f), _bn_state(model)):
+            torch.testing.assert_close(a, b, **EXACT)
+    assert all(m.training for m in model_f.modules())
+    if arch == "cifarnet":  # the control: dropout is live, so a step's loss depends on the draw
+        with torch.random.fork_rng():
+            torch.manual_seed(99)
+            other, _, _ = _loss_and_grad(sep, model, task)
+        assert abs(float(other) - float(ls)) > 1e-6
 
 
 def test_an_fp32_penalty_under_bf16_autocast_is_refused_and_the_training_precision_runs():

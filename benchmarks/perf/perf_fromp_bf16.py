@@ -13,7 +13,8 @@ random images):
 round by round, by CPU time: one ``loop.train_step`` of ``none``, of ``fromp`` (penalty in fp32, the default) and of
 ``fromp`` with ``forward_precision: train`` (the memorable points' forward and backward in bf16), the latter also with
 ``tasks_per_step`` 1 and 2 (the penalty's unbiased estimate over that many of the four past tasks, drawn per step)
-and with ``tasks_per_step`` 1 under ``task_estimator: saga``.
+and with ``tasks_per_step`` 1 under ``task_estimator: saga``; and ``fused_forward`` (the minibatch and the memorable
+points in one pass, dropout on the minibatch's rows only) for every past task and for ``tasks_per_step`` 1.
 An epoch is 39 such steps, so step ratios are epoch ratios. The floor: every step also passes the 800 memorable
 points, (256 + 800) / 256 = 4.1 × the plain step's rows (k past tasks per step: (256 + 200 k) / 256).
 
@@ -83,6 +84,12 @@ def cost(steps: int) -> dict[str, float]:
                    "fromp", FROMP | {"forward_precision": "train", "tasks_per_step": 2}, seed=0),
                "fromp (forward_precision: train, tasks_per_step 1, task_estimator saga)": build_method(
                    "fromp", FROMP | {"forward_precision": "train", "tasks_per_step": 1, "task_estimator": "saga"},
+                   seed=0),
+               # one pass over the minibatch and every memorable point (dropout split by rows: params.fused_forward)
+               "fromp (forward_precision: train, fused_forward)": build_method(
+                   "fromp", FROMP | {"forward_precision": "train", "fused_forward": True}, seed=0),
+               "fromp (forward_precision: train, tasks_per_step 1, fused_forward)": build_method(
+                   "fromp", FROMP | {"forward_precision": "train", "tasks_per_step": 1, "fused_forward": True},
                    seed=0)}
     for m in methods.values():
         m.setup(model, stream, train)
@@ -186,7 +193,7 @@ def report(c: dict[str, float], e: dict, steps: int, epochs: int, command: str) 
         "",
         f"Target (issue 43): a FROMP epoch at the last task ≤ {TARGET:.0f} × a plain bf16 epoch. With every past task "
         f"in every step (the paper): best {best:.2f} × — " + ("met" if best <= TARGET else "**not met**")
-        + f"; such a step passes the {PAST * POINTS} memorable points forward and backward beside the {BATCH} images "
+        + f" ({min(full, key=full.get)}); such a step passes the {PAST * POINTS} memorable points forward and backward beside the {BATCH} images "
         f"of the minibatch, {floor:.1f} × the rows of a plain step. With the penalty estimated over k past tasks "
         "per step: " + ", ".join(f"k = {k.split('tasks_per_step ')[1].rstrip(')')}: {r:.2f} ×"
                                  + (" (met)" if r <= TARGET else " (not met)") for k, r in sampled.items())

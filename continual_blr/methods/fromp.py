@@ -156,8 +156,9 @@ class FunctionalParams:
         task_estimator: with ``tasks_per_step`` — ``"unbiased"`` (default) | ``"saga"`` (the same expectation, a
             table of each task's last penalty gradient lowering its variance; the loop's optimisers only).
         fused_forward: the minibatch and all memorable points in one forward pass (the same function and
-            gradient, rounded differently; fewer and larger matrix products); needs a model that runs the same in
-            train and eval mode (no dropout, no BatchNorm). False (default): the separate passes of the paper.
+            gradient, rounded differently; fewer and larger matrix products); dropout and BatchNorm run their train
+            forward on the minibatch's rows and their eval forward on the memorable ones
+            (:func:`continual_blr.memory.eval_rows_after`). False (default): the separate passes of the paper.
     """
 
     tau: float = 10.0

@@ -129,9 +129,14 @@ points of every head go through the network together — the rows concatenated, 
 through its own head (:func:`~continual_blr.memory.forward_parts`) — so a step runs one forward and one backward
 instead of 1 + (distinct heads). The loss and its gradient are the same function; only the rounding of the summed
 matrix products differs. On an MLP whose step is bound by its matrix products the extra work of the penalty is then
-close to its floor, the memorable rows' share of the products (the penalty's own small operations aside). It holds
-only where a module's forward does not depend on its mode, since the penalty's points are evaluated in eval mode and
-the minibatch in train mode: no dropout, no BatchNorm (checked, one-line error otherwise).
+close to its floor, the memorable rows' share of the products (the penalty's own small operations aside). The
+penalty's points are evaluated in eval mode and the minibatch in train mode, so within the pass every dropout and
+BatchNorm module runs its train-mode forward on the minibatch's rows and its eval-mode forward on the rest
+(:func:`~continual_blr.memory.eval_rows_after`): dropout draws its mask for the minibatch's rows only (the draws of
+the minibatch's own pass) and passes the rest unchanged; BatchNorm normalises the minibatch by its batch statistics,
+updates the running ones, and normalises the rest by those, as the separate eval pass after the minibatch's does.
+Any other module whose mode is not known, in-place dropout and BatchNorm without running statistics are refused
+(one-line error); so is ``train.batchnorm: per_task`` (each stored task on its own statistics).
 
 Evaluation mode: the penalty's forward over the memorable points runs in eval mode (dropout off,
 BatchNorm on running statistics), as in the reference code, whatever mode the model is in for the
@@ -169,7 +174,8 @@ from ..memory import (
     select_memorable,
     select_per_class,
     selection_scores,
-    train_eval_difference,
+    eval_rows_after,
+    row_split_refusal,
 )
 from ..mixed_precision import active_autocast, full_precision, resumed_autocast, to_fp32
 from ..types import Batch, KronBlock, KronCurvature, ParamDict, params_of
@@ -822,9 +828,9 @@ class FunctionalRegularizer:
 
         The same function and gradient as the separate passes, rounded differently: each weight's gradient sums the
         minibatch's and the memorable points' rows in one matrix product, and the small per-head passes become one
-        large one (fewer, larger kernels). It needs a model whose forward is the same in train and eval mode (the
-        penalty's points are evaluated in eval mode, the minibatch in the caller's), so no dropout with p > 0, no
-        BatchNorm, no module of unknown mode (:func:`~continual_blr.memory.train_eval_difference`). Inside a bf16
+        large one (fewer, larger kernels). The penalty's points are evaluated in eval mode and the minibatch in the
+        caller's: dropout and BatchNorm run each mode on its own rows (:func:`~continual_blr.memory.eval_rows_after`);
+        a module of unknown mode is refused (:func:`~continual_blr.memory.row_split_refusal`). Inside a bf16
         autocast it needs ``forward_precision="train"`` (the pass runs in the training step's precision); the
         softmax, Δ, the solves and the sum run in fp32 as in :meth:`penalty`. The same tasks are drawn from the
         generator as :meth:`penalty` draws.
@@ -838,7 +844,9 @@ class FunctionalRegularizer:
         subset = self.draw_tasks()
         ref = next(p for p in model.parameters())
         groups, _, scale = self._select_groups(ref, subset)
-        outs = forward_parts(model, [batch.x] + [x for _, x, _ in groups], [batch.head] + [h for h, _, _ in groups])
+        with eval_rows_after(model, batch.x.shape[0]):  # the minibatch's rows in the model's mode, the rest in eval
+            outs = forward_parts(model, [batch.x] + [x for _, x, _ in groups],
+                                 [batch.head] + [h for h, _, _ in groups])
         return outs[0], self._fused_penalty(outs[1:], groups, scale)
 
     @full_precision
@@ -860,11 +868,12 @@ class FunctionalRegularizer:
                              "forward_precision 'train'; allowed: forward_precision 'train', or fused_forward false")
         key = (id(model), sum(1 for _ in model.modules()))
         if self._fusable != key:
-            which = train_eval_difference(model)
+            which = row_split_refusal(model)
             if which is not None:
                 raise ValueError(f"params.fused_forward: the model's {which} may compute differently in train and "
-                                 "eval mode, and the penalty's points run in eval mode; allowed: a model of layers "
-                                 "without dropout or BatchNorm, or fused_forward false")
+                                 "eval mode and cannot be split by rows, and the penalty's points run in eval mode; "
+                                 "allowed: a model of mode-free layers, dropout (not in place) and BatchNorm with "
+                                 "running statistics, or fused_forward false")
             self._fusable = key
 
     # ------------------------------------------------------------------------------ state_dict
