@@ -15,3 +15,9 @@ python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -o addopts="" 2>&1 |
 python3 benchmarks/perf/perf_train.py --device cuda --compile --steps 30 --warmup 10 --out "$OUT/perf_train_cuda.md" 2>/dev/null | grep -E "^\||^\*|^Target"
 # where a step's time goes (kernels, launches, synchronisation): $OUT/profile.md
 timeout 120 python3 benchmarks/perf/profile_train_cuda.py --out "$OUT" 2>/dev/null | grep -E "^##|^wall"
+# FROMP's step at task 5 with the separate passes or one fused pass (fused_forward; dropout and BatchNorm split by rows):
+# is the one pass worth it where a step is launch-bound? (issue 43 item 6; on the AMX CPU it is slower)
+for arch in cifarnet reduced_resnet18; do
+  timeout 150 python3 benchmarks/perf/perf_fromp_fused_device.py --device cuda --arch $arch \
+    --out "$OUT/perf_fromp_fused_cuda_$arch.md" 2>/dev/null | grep -E "^\||^The fused"
+done
