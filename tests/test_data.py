@@ -408,8 +408,8 @@ def test_split_cifar10_validation_stream_and_missing_file_error(tmp_path, fake_c
 
 def test_split_cifar10_configs_parse_and_build():
     """Every shipped split CIFAR-10 config (both protocols, full and CPU budget, and the class-incremental replay
-    configs under resnet18/class/) is a valid run config whose methods build; the CPU budgets say so in their path
-    and train fewer epochs than the full protocol; only the class/ folder is class-incremental."""
+    configs under resnet18/class/, the ResNet CPU screen) is a valid run config whose methods build; the CPU budgets
+    say so in their path and train fewer epochs than the full protocol; only the class/ folder is class-incremental."""
     import yaml
 
     from continual_blr.config import RunConfig, from_dict
@@ -424,7 +424,9 @@ def test_split_cifar10_configs_parse_and_build():
         assert cfg.stream.scenario == ("class" if "class" in path.parts else "task"), path
         assert cfg.model.arch == ("reduced_resnet18" if "resnet18" in path.parts else "cifarnet")
         assert (cfg.train.epochs == 1) == ("cpu_budget" in path.parts), path
-        assert cfg.train.batch_size == 256 and cfg.train.lr == 1e-3
+        screen = "cpu_screen" in path.parts  # the ResNet screen: every task memorised small (batch 128, 20 epochs)
+        assert cfg.train.batch_size == (128 if screen else 256) and cfg.train.lr == 1e-3, path
+        assert not screen or (cfg.train.epochs == 20 and cfg.train.precision == "bf16"), path
         for m in cfg.methods:
             build_method(m.name, m.params)
 
