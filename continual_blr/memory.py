@@ -179,9 +179,10 @@ def _split_forward(m: nn.Module, n: int):
             return x
 
     def fwd(x: Tensor) -> Tensor:
-        if x.shape[0] <= n:
-            return own(x)
-        return torch.cat([own(x[:n]), rest(x[n:])])
+        if x.shape[0] < n:  # not the pass it was set up for: no row would be evaluated as it should
+            raise ValueError(f"eval_rows_after: {type(m).__name__} got {x.shape[0]} rows, fewer than the {n} train rows "
+                             "of the pass (rows must be the first axis of every module's input)")
+        return own(x) if x.shape[0] == n else torch.cat([own(x[:n]), rest(x[n:])])
 
     return fwd
 
@@ -206,15 +207,15 @@ def eval_rows_after(model: nn.Module, n: int) -> Iterator[None]:
     one for every row. Each module's forward is restored on exit, also after an error.
 
     Raises:
-        ValueError: a module that cannot be split by rows (:func:`row_split_refusal`), in train mode.
+        ValueError: a module that cannot be split by rows (:func:`row_split_refusal`), in train mode; within the block,
+            a split module called on fewer than ``n`` rows.
     """
     patched = []
     try:
         for name, m in model.named_modules():
-            if not m.training or not isinstance(m, (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)):
-                continue
-            if isinstance(m, nn.modules.dropout._DropoutNd) and m.p == 0:
-                continue
+            dropout = isinstance(m, nn.modules.dropout._DropoutNd)
+            if not m.training or not (dropout or isinstance(m, nn.modules.batchnorm._BatchNorm)) or (dropout and m.p == 0):
+                continue  # eval mode, or a module that runs alike in both modes
             if not _row_splittable(m):
                 raise ValueError(f"eval_rows_after: {name} ({type(m).__name__}) cannot run its train and eval forward "
                                  "on separate rows of one pass (in-place dropout, or BatchNorm without running "

@@ -239,6 +239,7 @@ def test_eval_rows_after_gives_train_rows_then_eval_rows():
     assert all("forward" not in m.__dict__ for m in one.modules())  # every forward restored
     one.eval()  # in eval mode nothing is split: the plain eval pass
     with eval_rows_after(one, 7):
+        assert all("forward" not in m.__dict__ for m in one.modules())
         torch.testing.assert_close(one(torch.cat([xa, xb])), sep.eval()(torch.cat([xa, xb])), **EXACT)
     assert (ya - sep(xa)).abs().max() > 1e-3  # the control: the train rows' pass differs from an eval pass
 
@@ -249,6 +250,15 @@ def test_eval_rows_after_restores_the_forwards_after_an_error():
         with eval_rows_after(net, 3):
             net(torch.zeros(5, 4, dtype=DT))  # wrong width
     assert all("forward" not in m.__dict__ for m in net.modules())
+
+
+def test_a_split_module_called_on_fewer_rows_is_a_one_line_error():
+    """A pass whose rows are not the ones the split was set up for is refused, not run in train mode throughout."""
+    net = _bn_dropout_net().train()
+    with eval_rows_after(net, 7):
+        with pytest.raises(ValueError, match="got 4 rows, fewer than the 7 train rows") as err:
+            net(torch.zeros(4, 5, dtype=DT))
+    assert "\n" not in str(err.value)
 
 
 def _image_method_with_past(arch: str, fused: bool):
