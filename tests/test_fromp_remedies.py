@@ -210,6 +210,69 @@ def test_dropping_a_flipped_point_removes_its_plateau_and_counts_it():
     assert (rec["dropped_points"], rec["dropped_outputs"]) == (2, 4)
 
 
+# ------------------------------------------------------------------------ τ in the kernel's units (tau_scale)
+
+
+@pytest.mark.parametrize("output", ["logits", "probs"])
+def test_tau_scale_kernel_equals_the_oracle_with_each_kernel_at_unit_mean_diagonal(output):
+    """``tau_scale: kernel`` on the flipped logistic regression: the penalty and its gradient equal the float64
+    brute force (τ/2) Σ_c Δ_cᵀ (K_c / d̄_c + εI)⁻¹ Δ_c and τ Σ_c J_cᵀ (K_c / d̄_c + εI)⁻¹ Δ_c, with K_c = J_c Σ J_cᵀ
+    from autograd Jacobians, Σ = diag 1/(F + δ) from the oracle GGN and d̄_c = tr K_c / M (exact on a linear
+    model); the health record holds d̄'s range. On probabilities the saturated kernel's d̄ ≈ 1e-15 makes the
+    flipped points cost ≈ τ/ε' per class as before, but at the normalised kernel's scale."""
+    model0 = build_model("linear", (2,), 2, 1).to(DT)
+    reg, model, task = _flip_setup(output=output, tau_scale="kernel")
+    with torch.no_grad():
+        model0.heads[0].weight.copy_(-model.heads[0].weight)
+        model0.heads[0].bias.copy_(model.heads[0].bias)
+    if output == "logits":
+        out = lambda f: f - f.mean(-1, keepdim=True)  # noqa: E731
+    else:
+        out = lambda f: f.softmax(-1)  # noqa: E731
+    fisher = torch.diagonal(O.ggn(model0, task.x_train, head=0))
+    sigma = torch.diag(1.0 / (fisher + 1e-3))
+    j = O.jacobians(model0, task.x_train, head=0, output_fn=out)  # [M, C, P]
+    k = O.kernel(j, sigma, blockwise=True)  # [C, M, M]
+    dbar = torch.diagonal(k, dim1=-2, dim2=-1).mean(-1)
+    kn = k / dbar[:, None, None] + EPS * torch.eye(2, dtype=DT)
+    with torch.no_grad():
+        delta = out(model(task.x_train)) - out(model0(task.x_train))
+    pen, grad = _penalty_and_grad(reg, model, task)
+    expect = sum(delta[:, c] @ torch.linalg.solve(kn[c], delta[:, c]) for c in range(2))
+    torch.testing.assert_close(pen, 0.5 * reg.tau * expect, **EXACT)
+    if output == "logits":  # J is constant on a linear model only for the logits
+        expect_grad = reg.tau * sum(j[:, c].T @ torch.linalg.solve(kn[c], delta[:, c]) for c in range(2))
+        torch.testing.assert_close(grad, expect_grad, **EXACT)
+    rec = reg.health[-1][0]
+    assert rec["kernel_scale"] == pytest.approx([float(dbar.min()), float(dbar.max())], rel=1e-12)
+    torch.testing.assert_close(reg.memory[0].extras["kernel_scale"], dbar, **EXACT)
+
+
+@pytest.mark.parametrize("kernel", ["classwise", "full"])
+def test_tau_scale_kernel_makes_the_penalty_independent_of_the_posteriors_scale(kernel):
+    """Σ = (F + δ)⁻¹ multiplied by c = 1e3 (F and δ divided by c): with ``tau_scale: kernel`` the penalty is unchanged
+    to round-off (K / d̄ does not move, and the jitter applies after normalising); with the paper's absolute τ it
+    falls by about c (the same Δ against a kernel c times larger)."""
+    s = make_stream("synthetic", scenario="task", n_tasks=2, n_classes_per_task=3, n_features=4, n_train=30,
+                    n_test=4, seed=2)
+    tasks = [t.to("cpu", dtype=DT) for t in s.tasks]
+    pens = {}
+    for scale in ("kernel", "none"):
+        for c in (1.0, 1e3):
+            model = build_model("mlp", (4,), 3, 2, hidden=(6,), generator=torch.Generator().manual_seed(0)).to(DT)
+            reg = FunctionalRegularizer(tau=2.0, n_points=6, prior_precision=0.5 / c, jitter=1e-8, kernel=kernel,
+                                        tau_scale=scale)
+            reg.on_task_end(model, tasks[0])
+            reg.fisher = {n: f / c for n, f in reg.fisher.items()}
+            reg.rebuild(model)
+            _small_step(model, 1e-2)
+            with torch.no_grad():
+                pens[scale, c] = reg.penalty(model, Batch(tasks[1].x_train, tasks[1].y_train, 1), tasks[1])
+    assert float(pens["kernel", 1.0]) > 0
+    torch.testing.assert_close(pens["kernel", 1e3], pens["kernel", 1.0], rtol=1e-9, atol=0.0)
+    assert float(pens["none", 1.0] / pens["none", 1e3]) == pytest.approx(1e3, rel=1e-3)
+
+
 # ------------------------------------------------------------- the logit kernel's τ matches at unsaturated points
 
 
@@ -392,6 +455,14 @@ def test_every_fromp_family_method_takes_the_options(name):
     with pytest.raises(MethodParamsError, match=r"params.drop_below: must be a finite number >= 0"):
         build_method(name, {"drop_below": -1.0})
     assert build_method(name).regularizer.output == "probs"
+    assert build_method(name).regularizer.tau_scale == "none"
+    if name != "fromp-l2":
+        assert build_method(name, {"tau_scale": "kernel"}).regularizer.tau_scale == "kernel"
+    else:
+        with pytest.raises(MethodParamsError, match=r"params.tau_scale: 'kernel' needs a kernel .* allowed: 'none'"):
+            build_method(name, {"tau_scale": "kernel"})
+    with pytest.raises(MethodParamsError, match=r"params.tau_scale: got 'diag'; allowed: 'none', 'kernel'"):
+        build_method(name, {"tau_scale": "diag"})
 
 
 def test_the_run_log_shows_the_penalty_apart_from_the_data_loss(tmp_path):

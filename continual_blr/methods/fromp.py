@@ -15,7 +15,8 @@ defaults:
 Gradient clipping is the loop's ``train.grad_clip`` (the reference code clips at 0.1 on split MNIST).
 
 Every FROMP-type method (these and ``fromp-replay``) also takes ``output`` (``probs`` | ``logits``),
-``jitter_relative`` and ``drop_below`` (kernel health at each rebuild; :mod:`continual_blr.regularizers.functional`),
+``jitter_relative`` and ``drop_below`` (kernel health at each rebuild), ``tau_scale`` (τ in the kernel's units;
+:mod:`continual_blr.regularizers.functional`),
 and logs per epoch (``epoch_stats``, the run's ``train_log.csv``) the penalty apart from the rest of the loss:
 ``data_loss`` and ``penalty`` (their minibatch-size-weighted means over the epoch, which add up to the loop's
 ``train_loss``), ``data_loss_max`` and ``penalty_max`` (the largest of one step in the epoch: which part rose first
@@ -41,6 +42,7 @@ from ..regularizers.functional import (
     FORWARD_PRECISIONS,
     KERNELS,
     OUTPUTS,
+    TAU_SCALES,
     TASK_ESTIMATORS,
     FunctionalRegularizer,
 )
@@ -159,6 +161,9 @@ class FunctionalParams:
             gradient, rounded differently; fewer and larger matrix products); dropout and BatchNorm run their train
             forward on the minibatch's rows and their eval forward on the memorable ones
             (:func:`continual_blr.memory.eval_rows_after`). False (default): the separate passes of the paper.
+        tau_scale: ``"none"`` (default, the paper: τ absolute) | ``"kernel"``: each kernel matrix is divided by its
+            mean diagonal before its jitter, so τ weighs a unit Δ² at a point of average kernel size whatever the
+            posterior's scale ((τ/2) Δᵀ (K/d̄ + ε'I)⁻¹ Δ; not with ``kernel: identity``).
     """
 
     tau: float = 10.0
@@ -175,6 +180,7 @@ class FunctionalParams:
     tasks_per_step: int = 0
     task_estimator: str = "unbiased"
     fused_forward: bool = False
+    tau_scale: str = "none"
 
     def __post_init__(self) -> None:
         """One-line ``ValueError`` naming the field and what is allowed."""
@@ -212,6 +218,11 @@ class FunctionalParams:
         if self.fused_forward and self.task_estimator == "saga":
             raise ValueError("params.fused_forward: not with task_estimator 'saga' (its per-task gradients need one "
                              "pass per drawn task); allowed with task_estimator 'unbiased'")
+        if self.tau_scale not in TAU_SCALES:
+            raise ValueError(f"params.tau_scale: got {self.tau_scale!r}; allowed: {', '.join(map(repr, TAU_SCALES))}")
+        if self.tau_scale == "kernel" and self.kernel == "identity":
+            raise ValueError("params.tau_scale: 'kernel' needs a kernel to take the scale of; with kernel 'identity' "
+                             "(FROMP-L2) allowed: 'none'")
         for name in ("jitter_relative", "drop_below"):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):

@@ -90,6 +90,20 @@ weighed by up to 1/ε' per unit Δ² with a Jacobian that has vanished. It stays
 :attr:`FunctionalRegularizer.health` one record per stored task: its points, the points with a dropped output,
 the (point, output) pairs dropped, the smallest and largest d_i and the largest ε' used.
 
+τ in the kernel's units (``tau_scale=``). With ``"none"`` (the default, the paper) τ is absolute, so the penalty's
+strength follows the kernel's scale: K = J Σ Jᵀ grows with Σ, and on a memorised task the logit kernel's diagonal
+is 10⁵-10⁶ (Σ ≈ I/δ where the GGN has vanished) against the probability kernel's 10⁻¹-10³, so one τ means very
+different pulls on different tasks and networks. With ``"kernel"`` each kernel matrix is first divided by its mean
+diagonal d̄ = (1/n) tr K (one d̄ per matrix: per past task and class, per task for ``full``):
+
+    (τ/2) Δᵀ (K / d̄ + ε'I)⁻¹ Δ  =  (τ d̄ / 2) Δᵀ (K + ε' d̄ I)⁻¹ Δ,
+
+so τ is the weight per unit Δ² of a point of average kernel size, the jitter and the health rules apply to the
+normalised kernel (ε and r relative to d̄), and the penalty does not change when Σ is multiplied by any constant.
+The kernel's shape (which points and outputs are correlated, which are confident) is kept; only its size is
+factored out. Not with ``kernel="identity"`` (it has no size). The health record holds d̄'s range as
+``kernel_scale``.
+
 Normalisation statistics (``norm_statistics``, set by the loop under ``train.batchnorm: per_task``; see
 :class:`~continual_blr.memory.NormStatistics`): the old outputs, the kernels and the penalty's forward over task
 s's memorable points run on the BatchNorm running statistics task s ended with, not on those the current task's
@@ -180,13 +194,15 @@ from ..memory import (
 from ..mixed_precision import active_autocast, full_precision, resumed_autocast, to_fp32
 from ..types import Batch, KronBlock, KronCurvature, ParamDict, params_of
 
-__all__ = ["FunctionalRegularizer", "KERNELS", "CLASS_CHOICES", "OUTPUTS", "TASK_ESTIMATORS", "condition_kernel"]
+__all__ = ["FunctionalRegularizer", "KERNELS", "CLASS_CHOICES", "OUTPUTS", "TASK_ESTIMATORS", "TAU_SCALES",
+           "condition_kernel"]
 
 KERNELS = ("classwise", "full", "kron", "identity")
 CLASS_CHOICES = ("task", "all")
 OUTPUTS = ("probs", "logits")
 FORWARD_PRECISIONS = ("fp32", "train")  # the memorable points' forward: always fp32, or the training step's
 TASK_ESTIMATORS = ("unbiased", "saga")  # the penalty's gradient over tasks_per_step of the stored tasks
+TAU_SCALES = ("none", "kernel")  # τ in absolute units, or in units of each kernel's mean diagonal
 MAX_JITTER_RETRIES = 6
 _SUBSET_CACHE = 64  # drawn subsets (tasks_per_step) whose stacked groups are kept until the next rebuild
 """If K + εI is not positive definite in float64, ε is multiplied by 10 up to this many times."""
@@ -206,6 +222,15 @@ def _prob_fn(columns: tuple[int, ...] | None, drop_last: bool, output: str = "pr
         return p[:, :-1] if drop_last else p
 
     return fn
+
+
+def _unit_mean_diagonal(k: Tensor) -> tuple[Tensor, Tensor]:
+    """Each kernel matrix of ``k`` ([..., n, n]) divided by its mean diagonal d̄ = tr K / n, in float64 (``tau_scale:
+    kernel``); returns (K / d̄, d̄ [...]). A matrix with d̄ = 0 (no point has a Jacobian) is left as it is."""
+    k64 = k.to(torch.float64)
+    scale = torch.diagonal(k64, dim1=-2, dim2=-1).mean(-1)
+    scale = torch.where(scale > 0, scale, torch.ones((), dtype=scale.dtype, device=scale.device))
+    return k64 / scale[..., None, None], scale
 
 
 def condition_kernel(k: Tensor, jitter: float, jitter_relative: float = 0.0, drop_below: float = 0.0
@@ -353,11 +378,15 @@ class FunctionalRegularizer:
             table of each task's last gradient: lower variance; module docstring). Used only when k < n.
         fused_forward: the minibatch and every memorable point in one forward pass (:meth:`penalty_and_outputs`,
             module docstring); False (default): one pass for the minibatch and one per head for the penalty.
+        tau_scale: ``"none"`` (default: τ absolute, the paper) | ``"kernel"`` (each kernel matrix divided by its
+            mean diagonal before its jitter: τ in the kernel's units; module docstring).
 
     Attributes:
         health: one list per rebuild, one dict per stored task: ``task_id``, ``points``, ``dropped_points`` (points
             with at least one output dropped), ``dropped_outputs`` ((point, output) pairs dropped), ``min_diag`` /
-            ``max_diag`` (of J Σ Jᵀ, before jitter) and ``jitter`` (the largest ε' used).
+            ``max_diag`` (of J Σ Jᵀ, before jitter; under ``tau_scale="kernel"`` of the normalised kernel),
+            ``jitter`` (the largest ε' used) and, under ``tau_scale="kernel"``, ``kernel_scale`` ([smallest,
+            largest] mean diagonal d̄ of the task's kernel matrices, before normalising).
         norm_statistics: per-task BatchNorm statistics to evaluate each stored task on (None: the network's
             current ones); set by the loop under ``train.batchnorm: per_task``.
     """
@@ -383,7 +412,13 @@ class FunctionalRegularizer:
         tasks_per_step: int = 0,
         task_estimator: str = "unbiased",
         fused_forward: bool = False,
+        tau_scale: str = "none",
     ) -> None:
+        if tau_scale not in TAU_SCALES:
+            raise ValueError(f"tau_scale: got {tau_scale!r}; allowed: {', '.join(map(repr, TAU_SCALES))}")
+        if tau_scale == "kernel" and kernel == "identity":
+            raise ValueError("tau_scale: 'kernel' needs a kernel to take the scale of; kernel 'identity' (FROMP-L2) "
+                             "allows 'none'")
         if not isinstance(fused_forward, bool):
             raise ValueError(f"fused_forward: must be true or false, got {fused_forward!r}")
         if fused_forward and task_estimator == "saga":
@@ -440,6 +475,7 @@ class FunctionalRegularizer:
         self.tasks_per_step = int(tasks_per_step)
         self.task_estimator = task_estimator
         self.fused_forward = fused_forward
+        self.tau_scale = tau_scale
         self._fusable: tuple[int, int] | None = None  # (id, module count) of the model last checked for fusion
         self._saga: tuple[int, dict[int, ParamDict], ParamDict | None] = (-1, {}, None)  # (rebuild, ĝ_s, Σ ĝ)
         self.health: list[list[dict[str, Any]]] = []
@@ -642,6 +678,10 @@ class FunctionalRegularizer:
                                output_fn=_prob_fn(e.columns, self._drop_last(e), self.output),
                                blockwise=self.kernel != "full", chunk_size=self.chunk_size)
             if sigma is not None:
+                if self.tau_scale == "kernel":  # τ in the kernel's units: each matrix at unit mean diagonal
+                    k, scale = _unit_mean_diagonal(k.detach())
+                    e.extras["kernel_scale"] = scale
+                    record["kernel_scale"] = [float(scale.min()), float(scale.max())]
                 if not health:  # the paper's absolute jitter, exactly as before the health options existed
                     kj, chol, eps = _cholesky(k.detach(), self.jitter)
                     e.extras.update(kernel=kj.to(ref.dtype), chol=chol.to(ref.dtype),
