@@ -942,3 +942,22 @@ def test_a_run_is_dirty_for_changed_code_or_configs_but_not_for_the_records_and_
         (tmp_path / name).write_text("changed\n")
         assert name in git(*rr.DIRTY_STATUS)
         git("checkout", "-q", "--", name)
+
+
+def test_run_log_summary_reports_each_tasks_worst_epoch_and_the_divergence_bar(tmp_path, capsys):
+    """``benchmarks/diagnose/run_log_summary.py`` on a hand-written log: per task the epoch with the largest mean
+    train loss and its penalty, the largest single-step penalty, the smallest kernel diagonal and the accuracies
+    after the task; a run whose worst epoch is 12.5 is reported above the bar of 10, one at 3.0 not."""
+    summary = _diagnosis("run_log_summary")
+    run = tmp_path / "fromp"
+    run.mkdir()
+    head = "task,epoch,train_loss,data_loss,penalty,data_loss_max,penalty_max,kernel_dropped,kernel_min_diag\n"
+    (run / "train_log.csv").write_text(head + "0,1,0.5,0.5,0.0,0.7,0.0,0.0,nan\n0,2,0.2,0.2,0.0,0.3,0.0,0.0,nan\n"
+                                       "1,1,1.0,0.4,0.6,0.9,4.0,0.0,2.5e-5\n1,2,12.5,0.3,12.2,0.4,90.0,1.0,2.5e-5\n")
+    (run / "accuracy.csv").write_text("after_task,task,accuracy\n0,0,0.9\n1,0,0.85\n1,1,0.8\n")
+    text = summary.summarise(run)
+    assert "| 1 | 2 | 0.500 (1) | 0.0000 | 0.000 |  | 90.00 |" in text
+    assert "| 2 | 2 | 12.500 (2) | 12.2000 | 90.000 | 2.50e-05 | 85.00 / 80.00 |" in text
+    assert "12.500 (above the bar of 10)" in text
+    assert "not above the bar of 20" in summary.summarise(run, bar=20.0)
+    assert summary.main([str(tmp_path)]) == 2 and "no train_log.csv" in capsys.readouterr().err
