@@ -961,3 +961,37 @@ def test_run_log_summary_reports_each_tasks_worst_epoch_and_the_divergence_bar(t
     assert "12.500 (above the bar of 10)" in text
     assert "not above the bar of 20" in summary.summarise(run, bar=20.0)
     assert summary.main([str(tmp_path)]) == 2 and "no train_log.csv" in capsys.readouterr().err
+
+
+def test_fromp_memorable_fit_compares_each_past_task_with_its_own_end(tmp_path):
+    """``benchmarks/diagnose/fromp_memorable_fit.py`` on a tiny two-task FROMP run: one row (after task 2, task 1)
+    whose memorable-point RMS change of the centred logits and accuracies equal those computed through the library's
+    own loaders (``load_run`` for the network after task 2, ``load_boundary`` for it after task 1), to the table's two
+    decimals; a folder without boundary checkpoints is a one-line error."""
+    from continual_blr.cli import main as cli
+    from continual_blr.saved_run import load_boundary, load_run
+
+    fit = _diagnosis("fromp_memorable_fit")
+    torch.set_num_threads(1)
+    (tmp_path / "c.yaml").write_text(  # task 2 trained long enough with τ small enough to move task 1's outputs
+        "stream: {name: synthetic, options: {n_tasks: 2, n_train: 40, n_features: 6}}\nmodel: {hidden: [8]}\n"
+        "train: {epochs: 30, batch_size: 20, lr: 0.05}\nprogress: false\n"
+        "methods: [{name: fromp, params: {n_points: 4, tau: 0.01}}]\n")
+    assert cli(["run", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "run")]) == 0
+    root = tmp_path
+    table = fit.summarise(root / "run" / "fromp", None)
+    rows = [r for r in table.splitlines() if r.startswith("| 2 | 1 |")]
+    assert len(rows) == 1 and len([r for r in table.splitlines() if r.startswith("| ")]) == 2
+
+    end = load_run(root / "run", method="fromp")
+    first = load_boundary(end, 0)
+    entry = next(e for e in end.method.regularizer.memory if e.task_id == end.stream.tasks[0].task_id)
+    with torch.no_grad():
+        f1, f0 = end.model(entry.x, head=entry.head), first.model(entry.x, head=entry.head)
+    c = lambda f: f - f.mean(-1, keepdim=True)  # noqa: E731
+    rms = float((c(f1) - c(f0)).pow(2).sum(-1).mean().sqrt())
+    acc = 100.0 * float((f1.argmax(-1) == entry.y).float().mean())
+    cells = [s.strip() for s in rows[0].strip("|").split("|")]
+    assert rms > 0.05, "the run did not move task 1's outputs: the comparison would prove nothing"
+    assert cells[2] == f"{rms:.2f}" and cells[4] == f"{acc:.1f}"
+    assert fit.main([str(tmp_path)]) == 2
