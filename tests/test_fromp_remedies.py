@@ -32,7 +32,7 @@ from continual_blr.loop import evaluate_task, fit_task, run_stream
 from continual_blr.memory import NormStatistics, norm_layers
 from continual_blr.methods import MethodParamsError, TrainConfig, build_method
 from continual_blr.models import MultiHeadNet, build_model
-from continual_blr.regularizers.functional import FunctionalRegularizer, condition_kernel
+from continual_blr.regularizers.functional import FunctionalRegularizer, _unit_mean_diagonal, condition_kernel
 from continual_blr.types import Batch, flatten
 
 DT = torch.float64
@@ -246,6 +246,39 @@ def test_tau_scale_kernel_equals_the_oracle_with_each_kernel_at_unit_mean_diagon
     rec = reg.health[-1][0]
     assert rec["kernel_scale"] == pytest.approx([float(dbar.min()), float(dbar.max())], rel=1e-12)
     torch.testing.assert_close(reg.memory[0].extras["kernel_scale"], dbar, **EXACT)
+
+
+def test_unit_mean_diagonal_divides_each_matrix_and_leaves_a_zero_one_alone():
+    """Each [n, n] matrix divided by tr K / n (its returned scale), in float64; an all-zero matrix (no point has a
+    Jacobian) comes back as it was, with scale 1, not as NaN."""
+    k = torch.zeros(3, 4, 4, dtype=torch.float32)
+    k[0] = torch.diag(torch.tensor([1.0, 2.0, 3.0, 6.0]))
+    k[1] = 5.0 * torch.eye(4)
+    kn, scale = _unit_mean_diagonal(k)
+    assert kn.dtype == DT
+    torch.testing.assert_close(scale, torch.tensor([3.0, 5.0, 1.0], dtype=DT), **EXACT)
+    torch.testing.assert_close(kn[0], torch.diag(torch.tensor([1 / 3, 2 / 3, 1.0, 2.0], dtype=DT)), **EXACT)
+    torch.testing.assert_close(kn[1], torch.eye(4, dtype=DT), **EXACT)
+    assert torch.equal(kn[2], torch.zeros(4, 4, dtype=DT))
+
+
+def test_a_state_is_refused_by_a_regulariser_with_the_other_tau_scale():
+    """The stored Cholesky factors are of K / d̄ under ``tau_scale: kernel`` and of K otherwise: loading a state into a
+    regulariser with the other setting is a one-line error both ways (its penalty would silently use the wrong
+    kernel until the next rebuild); the same setting loads."""
+    states = {}
+    for scale in ("kernel", "none"):
+        reg, _, _ = _flip_setup(output="logits", tau_scale=scale)
+        states[scale] = reg.state_dict()
+    for saved, other in (("kernel", "none"), ("none", "kernel")):
+        fresh = FunctionalRegularizer(tau=10.0, n_points=2, prior_precision=1e-3, jitter=EPS, output="logits",
+                                      tau_scale=other)
+        with pytest.raises(ValueError, match=rf"built with tau_scale '{saved}', this regulariser uses '{other}'"):
+            fresh.load_state_dict(states[saved])
+        same = FunctionalRegularizer(tau=10.0, n_points=2, prior_precision=1e-3, jitter=EPS, output="logits",
+                                     tau_scale=saved)
+        same.load_state_dict(states[saved])
+        assert len(same.memory) == 1
 
 
 @pytest.mark.parametrize("kernel", ["classwise", "full"])

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -45,7 +46,7 @@ def _centred(f: torch.Tensor) -> torch.Tensor:
 def _outputs(model, norm: NormStatistics | None, task_id: int, x: torch.Tensor, head: int,
              batch: int = 500) -> torch.Tensor:
     model.eval()
-    ctx = norm.use(model, task_id) if norm is not None else torch.no_grad()
+    ctx = norm.use(model, task_id) if norm is not None else nullcontext()
     with ctx:
         return torch.cat([model(x[i:i + batch], head=head) for i in range(0, x.shape[0], batch)]).float()
 

@@ -946,6 +946,11 @@ class FunctionalRegularizer:
         if cfg and cfg.get("output", "probs") != self.output:
             raise ValueError(f"state: saved with output {cfg.get('output', 'probs')!r}, this regulariser uses "
                              f"{self.output!r}")
+        built = [e.get("extras", {}) for e in state.get("memory", {}).get("entries", [])]
+        scaled = {"kernel_scale" in ex for ex in built if "chol" in ex}  # the stored factors' tau_scale
+        if scaled and scaled != {self.tau_scale == "kernel"}:
+            raise ValueError(f"state: its kernels were built with tau_scale {'kernel' if True in scaled else 'none'!r}, "
+                             f"this regulariser uses {self.tau_scale!r}")
         self.health = [[{k: float(v) if isinstance(v, Tensor) else v for k, v in r.items()} for r in rebuild]
                        for rebuild in state.get("health", [])]
         self.class_incremental = bool(cfg.get("class_incremental", self.class_incremental))
