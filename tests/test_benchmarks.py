@@ -995,3 +995,38 @@ def test_fromp_memorable_fit_compares_each_past_task_with_its_own_end(tmp_path):
     assert rms > 0.05, "the run did not move task 1's outputs: the comparison would prove nothing"
     assert cells[2] == f"{rms:.2f}" and cells[4] == f"{acc:.1f}"
     assert fit.main([str(tmp_path)]) == 2
+
+
+def test_fromp_step_trace_replays_a_task_bit_for_bit_and_reads_adams_state(tmp_path):
+    """``benchmarks/diagnose/fromp_step_trace.py`` on a tiny three-task FROMP run: replaying task 3 from task 2's
+    boundary checkpoint gives the original run's epoch-mean training loss bit for bit (the oracle is the run's own
+    ``train_log.csv``, written by the original run); the traced steps' data loss + penalty, weighted by the
+    minibatch sizes, give that epoch mean to float round-off; every step's ‖Δθ‖₂ (measured on the parameters) is
+    the learning rate times the normalised step ‖m̂ / (√v̂ + ε)‖₂ read from Adam's state (no weight decay); and a
+    first task, which has no boundary before it, is a one-line error."""
+    import csv
+    import json
+    from continual_blr.cli import main as cli
+
+    trace = _diagnosis("fromp_step_trace")
+    torch.set_num_threads(1)
+    (tmp_path / "c.yaml").write_text(
+        "stream: {name: synthetic, options: {n_tasks: 3, n_train: 50, n_features: 6}}\nmodel: {hidden: [8]}\n"
+        "train: {epochs: 3, batch_size: 20, lr: 0.01}\nprogress: false\n"
+        "methods: [{name: fromp, params: {n_points: 5, tau: 1.0}}]\n")
+    assert cli(["run", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "run"), "--seed", "3"]) == 0
+    out = tmp_path / "trace.jsonl"
+    text = trace.trace(tmp_path / "run", 2, 2, out, None, None, False)
+    assert "bit for bit: 1 of 1 finished epochs" in text
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 6  # 50 examples in batches of 20: 3 steps an epoch (the loop keeps the last part of 10)
+    with (tmp_path / "run" / "fromp" / "train_log.csv").open() as f:
+        logged = {(int(r["task"]), int(r["epoch"])): float(r["train_loss"]) for r in csv.DictReader(f)}
+    sizes = [20, 20, 10]
+    first = sum(n * (r["data_loss"] + r["penalty"]) for n, r in zip(sizes, rows[:3])) / 50
+    assert first == pytest.approx(logged[(2, 1)], rel=1e-6, abs=1e-7)
+    assert any(r["penalty"] > 0 for r in rows), "no penalty on task 3: the trace would not show FROMP's part"
+    for r in rows:
+        assert r["update_norm"] == pytest.approx(0.01 * r["normalised_step_norm"], rel=1e-4)
+    with pytest.raises(SystemExit, match="--task 0"):
+        trace.trace(tmp_path / "run", 0, 1, out, None, None, False)
