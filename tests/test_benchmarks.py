@@ -1030,3 +1030,19 @@ def test_fromp_step_trace_replays_a_task_bit_for_bit_and_reads_adams_state(tmp_p
         assert r["update_norm"] == pytest.approx(0.01 * r["normalised_step_norm"], rel=1e-4)
     with pytest.raises(SystemExit, match="--task 0"):
         trace.trace(tmp_path / "run", 0, 1, out, None, None, False)
+
+
+def test_fromp_step_trace_power_iteration_finds_the_preconditioned_sharpness():
+    """``fromp_step_trace._power_iteration`` on a quadratic ½ xᵀ A x with a known spectrum: the largest eigenvalue of
+    S A S (S diagonal, the Adam-style preconditioning) against ``torch.linalg.eigvalsh`` in float64, to 1e-3 relative
+    (a planted bug, S applied once instead of on both sides, moves it by far more)."""
+    trace = _diagnosis("fromp_step_trace")
+    g = torch.Generator().manual_seed(1)
+    q = torch.linalg.qr(torch.randn(6, 6, generator=g, dtype=torch.float64))[0]
+    a = q @ torch.diag(torch.tensor([9.0, 2.0, 1.0, 0.5, 0.2, 0.1], dtype=torch.float64)) @ q.T
+    s = torch.tensor([0.5, 2.0, 1.0, 3.0, 0.7, 1.5], dtype=torch.float64)
+    x = torch.zeros(6, dtype=torch.float64, requires_grad=True)
+    x.data.normal_(generator=g)
+    got = trace._power_iteration(lambda: 0.5 * x @ a @ x, [x], [s], iters=200)
+    want = float(torch.linalg.eigvalsh(torch.diag(s) @ a @ torch.diag(s)).max())
+    assert got == pytest.approx(want, rel=1e-3)

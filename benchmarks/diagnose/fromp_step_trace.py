@@ -19,6 +19,13 @@ coordinates, and ‖m̂ / (√v̂ + ε)‖₂ — the step's length in units of 
 gradient is small is Adam's late-training instability: as the data loss vanishes, v̂ decays (β₂ = 0.999: a memory
 of ≈ 1,000 steps), so the normalised step stays near the learning rate in every coordinate, whatever the gradient.
 
+``--sharpness-at STEP ...`` also measures, before those steps' updates, the **preconditioned sharpness** of the
+penalty and of the minibatch's data loss (eval mode): the largest eigenvalue of P^{-1/2} H P^{-1/2}, where H is the
+Hessian (Hessian-vector products by double backward, in fp32) and P = diag(√v̂ + ε) is the preconditioner Adam's
+step divides by, by power iteration. Adam with learning rate η and momentum β₁ is stable on a quadratic only while
+η · λ_max(P⁻¹H) < 2(1 + β₁)/(1 − β₁) = 38 for β₁ = 0.9 (Cohen et al. 2022, "Adaptive gradient methods at the edge of
+stability"); the rows give η·λ against that threshold.
+
 ``--adam-eps`` / ``--amsgrad`` replay the same task with Adam's ε or AMSGrad changed from that step on (the same
 starting state otherwise): a what-if, not a run of the library's configs.
 """
@@ -77,8 +84,36 @@ def _original_epochs(run: Path, name: str, task: int) -> dict[int, str]:
         return {int(r["epoch"]): r["train_loss"] for r in csv.DictReader(f) if int(r["task"]) == task}
 
 
+def _power_iteration(fn, params: list[torch.Tensor], scale: list[torch.Tensor], iters: int) -> float:
+    """Largest eigenvalue (by modulus, signed) of S H S with S = diag(``scale``) and H the Hessian of ``fn()`` in
+    ``params``, by ``iters`` rounds of power iteration from a fixed random start (Hessian-vector products by double
+    backward)."""
+    g = torch.Generator().manual_seed(0)
+    v = [torch.randn(p.shape, generator=g) for p in params]
+    norm = math.sqrt(sum(float(x.pow(2).sum()) for x in v))
+    v = [x / norm for x in v]
+    lam = 0.0
+    for _ in range(iters):
+        with torch.enable_grad():
+            grads = torch.autograd.grad(fn(), params, create_graph=True, allow_unused=True)
+            used = [i for i, gr in enumerate(grads) if gr is not None and gr.requires_grad]  # other heads: H = 0
+            hv = torch.autograd.grad([grads[i] for i in used], [params[i] for i in used],
+                                     grad_outputs=[scale[i] * v[i] for i in used], allow_unused=True)
+        hvs = [torch.zeros_like(p) for p in params]
+        for i, h in zip(used, hv):
+            if h is not None:
+                hvs[i] = h.detach()
+        w = [s * h for s, h in zip(scale, hvs)]
+        lam = sum(float((a * b).sum()) for a, b in zip(v, w))
+        norm = math.sqrt(sum(float(x.pow(2).sum()) for x in w))
+        if norm == 0:
+            return 0.0
+        v = [x / norm for x in w]
+    return lam
+
+
 def trace(run: Path, task: int, epochs: int, out: Path, data_dir: str | None, adam_eps: float | None,
-          amsgrad: bool) -> str:
+          amsgrad: bool, sharpness_at: tuple[int, ...] = (), power_iters: int = 20) -> str:
     scratch = Path(tempfile.mkdtemp(prefix="fromp_step_trace_"))
     try:
         cfg, name = _scratch_copy(run, task, scratch)
@@ -95,6 +130,35 @@ def trace(run: Path, task: int, epochs: int, out: Path, data_dir: str | None, ad
             return add(self, data, penalty, n)
 
         adam_step = torch.optim.Adam.step
+        method_loss = fromp_module.FROMPMethod.loss
+        live: dict = {}
+
+        def captured_loss(self, model, batch, task_):  # the step's method, model, minibatch and task, for the Hessians
+            live.update(method=self, model=model, batch=batch, task=task_)
+            return method_loss(self, model, batch, task_)
+
+        def sharpness(opt) -> dict:
+            group = opt.param_groups[0]
+            params = [p for p in group["params"] if p.requires_grad and opt.state.get(p)]
+            beta2, eps = group["betas"][1], group["eps"]
+            scale = []
+            for p in params:
+                st = opt.state[p]
+                vhat = st["exp_avg_sq"] / (1 - beta2 ** float(st["step"]))
+                scale.append((vhat.sqrt() + eps).rsqrt())
+            model, method, batch, task_ = live["model"], live["method"], live["batch"], live["task"]
+            was_training = model.training
+            model.eval()
+            try:
+                pen = _power_iteration(lambda: method.regularizer.penalty(model, batch, task_), params, scale,
+                                       power_iters)
+                data = _power_iteration(lambda: fromp_module.mean_nll(model(batch.x.float(), head=batch.head),
+                                                                      batch.y), params, scale, power_iters)
+            finally:
+                model.train(was_training)
+            lr, beta1 = group["lr"], group["betas"][0]
+            return {"sharpness_step": step["n"] + 1, "lr_x_penalty_sharpness": lr * pen,
+                    "lr_x_data_sharpness": lr * data, "adam_threshold": 2 * (1 + beta1) / (1 - beta1)}
 
         def traced_step(self, *a, **kw):
             group = self.param_groups[0]
@@ -106,6 +170,8 @@ def trace(run: Path, task: int, epochs: int, out: Path, data_dir: str | None, ad
                     st = self.state.get(p)
                     if st and "exp_avg_sq" in st:
                         st["max_exp_avg_sq"] = st["exp_avg_sq"].clone()
+            if step["n"] + 1 in sharpness_at and live:
+                rows.append(sharpness(self))
             params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
             before = [p.detach().clone() for p in params]
             gnorm = math.sqrt(sum(float(p.grad.detach().float().pow(2).sum()) for p in params))
@@ -142,6 +208,7 @@ def trace(run: Path, task: int, epochs: int, out: Path, data_dir: str | None, ad
 
         fromp_module.PenaltyLog.add = logged_add
         torch.optim.Adam.step = traced_step
+        fromp_module.FROMPMethod.loss = captured_loss
         try:
             run_config(cfg, resume=True)
         except _Stop:
@@ -149,6 +216,7 @@ def trace(run: Path, task: int, epochs: int, out: Path, data_dir: str | None, ad
         finally:
             fromp_module.PenaltyLog.add = add
             torch.optim.Adam.step = adam_step
+            fromp_module.FROMPMethod.loss = method_loss
 
         with out.open("w") as f:
             for r in rows:
@@ -156,7 +224,7 @@ def trace(run: Path, task: int, epochs: int, out: Path, data_dir: str | None, ad
         replay = _original_epochs(scratch, name, task)
         original = _original_epochs(run, name, task)
         same = [e for e in replay if e in original and replay[e] == original[e]]
-        lines = [f"traced {len(rows)} steps of task {task} ({step['epoch_steps']} a epoch) into {out}"]
+        lines = [f"traced {step['n']} steps of task {task} ({step['epoch_steps']} a epoch) into {out}"]
         if adam_eps is None and not amsgrad:
             lines.append(f"epoch means equal to the run's train_log.csv bit for bit: {len(same)} of {len(replay)} "
                          "finished epochs")
@@ -175,9 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--adam-eps", type=float, default=None)
     ap.add_argument("--amsgrad", action="store_true")
+    ap.add_argument("--sharpness-at", type=int, nargs="*", default=[], metavar="STEP")
+    ap.add_argument("--power-iters", type=int, default=20)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(trace(args.run, args.task, args.epochs, args.out, args.data_dir, args.adam_eps, args.amsgrad))
+    print(trace(args.run, args.task, args.epochs, args.out, args.data_dir, args.adam_eps, args.amsgrad,
+                tuple(args.sharpness_at), args.power_iters))
     return 0
 
 
