@@ -33,7 +33,7 @@ from continual_blr.memory import NormStatistics, norm_layers
 from continual_blr.methods import MethodParamsError, TrainConfig, build_method
 from continual_blr.models import MultiHeadNet, build_model
 from continual_blr.regularizers.functional import FunctionalRegularizer, _unit_mean_diagonal, condition_kernel
-from continual_blr.types import Batch, flatten
+from continual_blr.types import Batch, flatten, unflatten
 
 DT = torch.float64
 EPS = 1e-6
@@ -198,6 +198,41 @@ def test_the_logit_kernel_bounds_a_flipped_point_with_the_gps_own_weight():
     torch.testing.assert_close(pen, 0.5 * reg.tau * expect, **EXACT)
     torch.testing.assert_close(grad, expect_grad, **EXACT)
     assert float(pen) < 1e-5 * reg.tau / EPS and float(grad.norm()) > 1e-3 * float(pen)
+
+
+def _penalty_top_curvature(output: str, scale: float) -> float:
+    """The largest eigenvalue of the penalty's Hessian (float64, by ``torch.autograd.functional.hessian`` over the
+    head's six weights) at the rebuild's weights times ``scale``, for the saturated logistic regression of
+    :func:`_flip_setup` (margin 20 at the rebuild, λ ≈ 2e-9)."""
+    model = build_model("linear", (2,), 2, 1).to(DT)
+    with torch.no_grad():
+        model.heads[0].weight.copy_(torch.tensor([[10.0, 0.0], [-10.0, 0.0]], dtype=DT))
+        model.heads[0].bias.zero_()
+    x = torch.tensor([[1.0, 0.0], [-1.0, 0.0]], dtype=DT)
+    y = torch.tensor([0, 1])
+    task = Task(0, x, y, x, y, (0, 1), 0, "sat/0")
+    reg = FunctionalRegularizer(tau=10.0, n_points=2, prior_precision=1e-3, jitter=EPS, output=output)
+    reg.on_task_end(model, task)
+    reg.rebuild(model)
+    like = {n: p.detach() for n, p in model.named_parameters()}
+    theta = flatten(like) * scale
+    batch = Batch(x, y, 0)
+    h = torch.autograd.functional.hessian(
+        lambda t: reg.penalty(model, batch, task, params=unflatten(t, like)), theta)
+    return float(torch.linalg.eigvalsh(h).max())
+
+
+def test_off_saturation_the_probability_penalty_stiffens_and_the_logit_penalty_does_not():
+    """The blow-up mechanism of ``benchmarks/results/traces/diagnose_fromp_adam_sharpness.md``: the kernel is fixed
+    at the rebuild, where the points are saturated. Moving them off saturation (margin 20 → 2, the weights scaled by
+    0.1, no flip) raises the probability penalty's largest curvature by a factor of more than 10⁶ — its term
+    τ J_pᵀ K⁻¹ J_p grows with λ² = (p(1 − p))² while K⁻¹ keeps the rebuild's tiny λ — so an optimiser stable at the
+    floor overshoots there. Over centred logits (``output: logits``) the penalty of a linear model is an exact
+    quadratic: its Hessian is the same at both weights (float64 round-off)."""
+    floor, moved = _penalty_top_curvature("probs", 1.0), _penalty_top_curvature("probs", 0.1)
+    assert moved > 1e6 * max(floor, 1e-300)
+    floor_l, moved_l = _penalty_top_curvature("logits", 1.0), _penalty_top_curvature("logits", 0.1)
+    assert floor_l > 0 and moved_l == pytest.approx(floor_l, rel=1e-9)
 
 
 def test_dropping_a_flipped_point_removes_its_plateau_and_counts_it():
