@@ -146,18 +146,24 @@ def test_condition_kernel_equals_its_definition():
 # ------------------------------------------------------------------------------- 2. a flipped point's plateau
 
 
-def _flip_setup(**kw):
-    """Logistic regression with one 2-way head, f(x) = W x + b, W = [[s, 0], [−s, 0]], b = 0: the margin
-    m(x) = f_0 − f_1 = 2 s x_1 is 20 at x_a = (1, 0) (class 0) and −20 at x_b = (−1, 0) (class 1), so both are
-    saturated (λ = p(1 − p) ≈ 2e-9) when task 1 ends and at the rebuild. Then the head is negated: both points
-    flip (Δp = ∓(1 − 4e-9))."""
+def _saturated_logistic() -> tuple[nn.Module, Task]:
+    """f(x) = W x + b on one 2-way head, W = [[10, 0], [−10, 0]], b = 0, and the task of the two points x_a = (1, 0)
+    (class 0) and x_b = (−1, 0) (class 1): margins ±20, both saturated (λ = p(1 − p) ≈ 2e-9)."""
     model = build_model("linear", (2,), 2, 1).to(DT)
     with torch.no_grad():
         model.heads[0].weight.copy_(torch.tensor([[10.0, 0.0], [-10.0, 0.0]], dtype=DT))
         model.heads[0].bias.zero_()
     x = torch.tensor([[1.0, 0.0], [-1.0, 0.0]], dtype=DT)
     y = torch.tensor([0, 1])
-    task = Task(0, x, y, x, y, (0, 1), 0, "flip/0")
+    return model, Task(0, x, y, x, y, (0, 1), 0, "saturated/0")
+
+
+def _flip_setup(**kw):
+    """Logistic regression with one 2-way head, f(x) = W x + b, W = [[s, 0], [−s, 0]], b = 0: the margin
+    m(x) = f_0 − f_1 = 2 s x_1 is 20 at x_a = (1, 0) (class 0) and −20 at x_b = (−1, 0) (class 1), so both are
+    saturated (λ = p(1 − p) ≈ 2e-9) when task 1 ends and at the rebuild. Then the head is negated: both points
+    flip (Δp = ∓(1 − 4e-9))."""
+    model, task = _saturated_logistic()
     reg = FunctionalRegularizer(tau=10.0, n_points=2, prior_precision=1e-3, jitter=EPS, **kw)
     reg.on_task_end(model, task)
     reg.rebuild(model)
@@ -204,19 +210,13 @@ def _penalty_top_curvature(output: str, scale: float) -> float:
     """The largest eigenvalue of the penalty's Hessian (float64, by ``torch.autograd.functional.hessian`` over the
     head's six weights) at the rebuild's weights times ``scale``, for the saturated logistic regression of
     :func:`_flip_setup` (margin 20 at the rebuild, λ ≈ 2e-9)."""
-    model = build_model("linear", (2,), 2, 1).to(DT)
-    with torch.no_grad():
-        model.heads[0].weight.copy_(torch.tensor([[10.0, 0.0], [-10.0, 0.0]], dtype=DT))
-        model.heads[0].bias.zero_()
-    x = torch.tensor([[1.0, 0.0], [-1.0, 0.0]], dtype=DT)
-    y = torch.tensor([0, 1])
-    task = Task(0, x, y, x, y, (0, 1), 0, "sat/0")
+    model, task = _saturated_logistic()
     reg = FunctionalRegularizer(tau=10.0, n_points=2, prior_precision=1e-3, jitter=EPS, output=output)
     reg.on_task_end(model, task)
     reg.rebuild(model)
     like = {n: p.detach() for n, p in model.named_parameters()}
     theta = flatten(like) * scale
-    batch = Batch(x, y, 0)
+    batch = Batch(task.x_train, task.y_train, 0)
     h = torch.autograd.functional.hessian(
         lambda t: reg.penalty(model, batch, task, params=unflatten(t, like)), theta)
     return float(torch.linalg.eigvalsh(h).max())
