@@ -70,6 +70,7 @@ REFERENCES: dict[tuple[str, str, str], tuple[float, str]] = {
     ("permuted_mnist", "domain", "vcl"): (94.6, "improved VCL + random coreset of 200 per task, FROMP paper Table 1 (93.0 without)"),
     ("permuted_mnist/paper_budget", "domain", "vcl"): (94.6, "improved VCL + random coreset of 200 per task, FROMP paper Table 1 (93.0 without)"),
     ("permuted_mnist/paper_budget", "domain", "vcl_reinit"): (94.6, "improved VCL + random coreset of 200 per task, FROMP paper Table 1 (93.0 without)"),
+    ("permuted_mnist/paper_budget", "domain", "vcl_reinit_no_coreset"): (93.0, "improved VCL without a coreset (Swaroop et al. 2019; FROMP paper Table 1)"),
     ("permuted_mnist", "domain", "ewc"): (84.0, "EWC, Eschenhagen 2019 Table 1 (same network)"),
     ("split_cifar", "task", "fromp"): (76.2, "FROMP paper / reference code README"),
     ("split_mnist", "class", "fromp-classes-all"): (33.4, "FROMP code run by others, class-incremental"),
