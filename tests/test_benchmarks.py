@@ -1016,7 +1016,7 @@ def test_fromp_step_trace_replays_a_task_bit_for_bit_and_reads_adams_state(tmp_p
         "methods: [{name: fromp, params: {n_points: 5, tau: 1.0}}]\n")
     assert cli(["run", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "run"), "--seed", "3"]) == 0
     out = tmp_path / "trace.jsonl"
-    text = trace.trace(tmp_path / "run", 2, 2, out, None, None, False)
+    text = trace.trace(tmp_path / "run", 2, 2, out, None)
     assert "bit for bit: 1 of 1 finished epochs" in text
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 6  # 50 examples in batches of 20: 3 steps an epoch (the loop keeps the last part of 10)
@@ -1029,7 +1029,7 @@ def test_fromp_step_trace_replays_a_task_bit_for_bit_and_reads_adams_state(tmp_p
     for r in rows:
         assert r["update_norm"] == pytest.approx(0.01 * r["normalised_step_norm"], rel=1e-4)
     with pytest.raises(SystemExit, match="--task 0"):
-        trace.trace(tmp_path / "run", 0, 1, out, None, None, False)
+        trace.trace(tmp_path / "run", 0, 1, out, None)
 
 
 def test_fromp_step_trace_power_iteration_finds_the_preconditioned_sharpness():

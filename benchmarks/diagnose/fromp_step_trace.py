@@ -3,7 +3,7 @@
 Run:
 
     python benchmarks/diagnose/fromp_step_trace.py RUN_DIR --task K --epochs E --out trace.jsonl \
-        --data-dir $CONTINUAL_BLR_DATA [--threads 1] [--adam-eps X] [--amsgrad]
+        --data-dir $CONTINUAL_BLR_DATA [--threads 1] [--sharpness-at STEP ...]
 
 ``RUN_DIR`` is a run folder made with ``--work-dir`` (``results.json`` beside one method folder holding
 ``tasks/after_task<k>.pt``). The folder is copied to a scratch directory with task K − 1's boundary checkpoint as the
@@ -15,9 +15,9 @@ run's ``train_log.csv`` and says whether they agree bit for bit). It stops after
 Per step it writes one JSON line: the minibatch's data loss and FROMP penalty, the gradient's norm as the optimiser
 sees it (after the loop's clip), the update's norm ‖Δθ‖₂ and largest entry ‖Δθ‖∞, and Adam's state: the quantiles
 0.001 / 0.5 of √v̂ (v̂ = v / (1 − β₂ᵗ), the second-moment estimate that divides each coordinate's step) over all
-coordinates, and ‖m̂ / (√v̂ + ε)‖₂ — the step's length in units of the learning rate. A step that is long while the
-gradient is small is Adam's late-training instability: as the data loss vanishes, v̂ decays (β₂ = 0.999: a memory
-of ≈ 1,000 steps), so the normalised step stays near the learning rate in every coordinate, whatever the gradient.
+coordinates, and ‖m̂ / (√v̂ + ε)‖₂ — the step's length in units of the learning rate. These columns tell Adam's
+late-training instability (the gradient fades, v̂ decays, the normalised step grows) from an instability of the
+loss itself (`benchmarks/results/traces/diagnose_fromp_adam_sharpness.md` found the latter).
 
 ``--sharpness-at STEP ...`` also measures, before those steps' updates, the **preconditioned sharpness** of the
 penalty and of the minibatch's data loss (eval mode): the largest eigenvalue of P^{-1/2} H P^{-1/2}, where H is the
@@ -25,9 +25,6 @@ Hessian (Hessian-vector products by double backward, in fp32) and P = diag(√v�
 step divides by, by power iteration. Adam with learning rate η and momentum β₁ is stable on a quadratic only while
 η · λ_max(P⁻¹H) < 2(1 + β₁)/(1 − β₁) = 38 for β₁ = 0.9 (Cohen et al. 2022, "Adaptive gradient methods at the edge of
 stability"); the rows give η·λ against that threshold.
-
-``--adam-eps`` / ``--amsgrad`` replay the same task with Adam's ε or AMSGrad changed from that step on (the same
-starting state otherwise): a what-if, not a run of the library's configs.
 """
 
 from __future__ import annotations
@@ -112,8 +109,7 @@ def _power_iteration(fn, params: list[torch.Tensor], scale: list[torch.Tensor], 
     return lam
 
 
-def trace(run: Path, task: int, epochs: int, out: Path, data_dir: str | None, adam_eps: float | None,
-          amsgrad: bool, sharpness_at: tuple[int, ...] = (), power_iters: int = 20) -> str:
+def trace(run: Path, task: int, epochs: int, out: Path, data_dir: str | None, sharpness_at: tuple[int, ...] = (), power_iters: int = 20) -> str:
     scratch = Path(tempfile.mkdtemp(prefix="fromp_step_trace_"))
     try:
         cfg, name = _scratch_copy(run, task, scratch)
@@ -162,14 +158,6 @@ def trace(run: Path, task: int, epochs: int, out: Path, data_dir: str | None, ad
 
         def traced_step(self, *a, **kw):
             group = self.param_groups[0]
-            if adam_eps is not None:
-                group["eps"] = adam_eps
-            if amsgrad and not group["amsgrad"]:
-                group["amsgrad"] = True
-                for p in group["params"]:  # AMSGrad's running maximum starts at the current v
-                    st = self.state.get(p)
-                    if st and "exp_avg_sq" in st:
-                        st["max_exp_avg_sq"] = st["exp_avg_sq"].clone()
             if step["n"] + 1 in sharpness_at and live:
                 rows.append(sharpness(self))
             params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
@@ -181,8 +169,7 @@ def trace(run: Path, task: int, epochs: int, out: Path, data_dir: str | None, ad
             for p, b in zip(params, before):
                 st = self.state[p]
                 t = float(st["step"])
-                v = st["max_exp_avg_sq"] if group["amsgrad"] else st["exp_avg_sq"]
-                vhat = v / (1 - beta2 ** t)
+                vhat = st["exp_avg_sq"] / (1 - beta2 ** t)
                 mhat = st["exp_avg"] / (1 - group["betas"][0] ** t)
                 sq.append(vhat.sqrt().flatten())
                 upd.append((mhat / (vhat.sqrt() + eps)).flatten())
@@ -225,9 +212,8 @@ def trace(run: Path, task: int, epochs: int, out: Path, data_dir: str | None, ad
         original = _original_epochs(run, name, task)
         same = [e for e in replay if e in original and replay[e] == original[e]]
         lines = [f"traced {step['n']} steps of task {task} ({step['epoch_steps']} a epoch) into {out}"]
-        if adam_eps is None and not amsgrad:
-            lines.append(f"epoch means equal to the run's train_log.csv bit for bit: {len(same)} of {len(replay)} "
-                         "finished epochs")
+        lines.append(f"epoch means equal to the run's train_log.csv bit for bit: {len(same)} of {len(replay)} "
+                     "finished epochs")
         return "\n".join(lines)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -241,14 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--adam-eps", type=float, default=None)
-    ap.add_argument("--amsgrad", action="store_true")
     ap.add_argument("--sharpness-at", type=int, nargs="*", default=[], metavar="STEP")
     ap.add_argument("--power-iters", type=int, default=20)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(trace(args.run, args.task, args.epochs, args.out, args.data_dir, args.adam_eps, args.amsgrad,
-                tuple(args.sharpness_at), args.power_iters))
+    print(trace(args.run, args.task, args.epochs, args.out, args.data_dir, tuple(args.sharpness_at), args.power_iters))
     return 0
 
 
