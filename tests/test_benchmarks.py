@@ -1030,6 +1030,11 @@ def test_fromp_step_trace_replays_a_task_bit_for_bit_and_reads_adams_state(tmp_p
         assert r["update_norm"] == pytest.approx(0.01 * r["normalised_step_norm"], rel=1e-4)
     with pytest.raises(SystemExit, match="--task 0"):
         trace.trace(tmp_path / "run", 0, 1, out, None)
+    (tmp_path / "n.yaml").write_text((tmp_path / "c.yaml").read_text().replace(
+        "methods: [{name: fromp, params: {n_points: 5, tau: 1.0}}]", "methods: [{name: none}]"))
+    assert cli(["run", str(tmp_path / "n.yaml"), "--out", str(tmp_path / "none")]) == 0
+    with pytest.raises(SystemExit, match="ran 'none'"):
+        trace.trace(tmp_path / "none", 2, 1, out, None)
 
 
 def test_fromp_step_trace_power_iteration_finds_the_preconditioned_sharpness():

@@ -59,6 +59,9 @@ def _scratch_copy(run: Path, task: int, scratch: Path) -> tuple[RunConfig, str]:
     if len(names) != 1:
         raise SystemExit(f"fromp_step_trace: {run} holds methods {names}; give a run folder of one method")
     name = names[0]
+    if not name.startswith(("fromp", "frorp")):
+        raise SystemExit(f"fromp_step_trace: {run} ran {name!r}; the trace reads a FROMP-type method's penalty "
+                         "(fromp, frorp, fromp-l2, fromp-full, fromp-kron, fromp-replay)")
     src = run / name / "tasks" / f"after_task{task - 1}.pt"
     if task < 1 or not src.is_file():
         raise SystemExit(f"fromp_step_trace: --task {task}: {src} does not exist (a task after the first, of a run "
