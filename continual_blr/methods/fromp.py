@@ -16,7 +16,8 @@ Gradient clipping is the loop's ``train.grad_clip`` (the reference code clips at
 
 Every FROMP-type method (these and ``fromp-replay``) also takes ``output`` (``probs`` | ``logits``),
 ``jitter_relative`` and ``drop_below`` (kernel health at each rebuild), ``tau_scale`` (τ in the kernel's units;
-:mod:`continual_blr.regularizers.functional`),
+:mod:`continual_blr.regularizers.functional`), ``context_points`` / ``context_weight`` (the prior read at the
+current minibatch too; :mod:`continual_blr.regularizers.context`),
 and logs per epoch (``epoch_stats``, the run's ``train_log.csv``) the penalty apart from the rest of the loss:
 ``data_loss`` and ``penalty`` (their minibatch-size-weighted means over the epoch, which add up to the loop's
 ``train_loss``), ``data_loss_max`` and ``penalty_max`` (the largest of one step in the epoch: which part rose first
@@ -164,6 +165,11 @@ class FunctionalParams:
         tau_scale: ``"none"`` (default, the paper: τ absolute) | ``"kernel"``: each kernel matrix is divided by its
             mean diagonal before its jitter, so τ weighs a unit Δ² at a point of average kernel size whatever the
             posterior's scale ((τ/2) Δᵀ (K/d̄ + ε'I)⁻¹ Δ; not with ``kernel: identity``).
+        context_points: n — also read the functional prior at the first n rows of each minibatch, against the
+            network frozen at the task's start, each past task's outputs weighed by 1 / (its kernel's mean diagonal)
+            without covariances: ``(τ w / 2) Σ_s Σ_c Σ_x Δo² / d̄_{s,c}`` (S-FSVI's context points;
+            :mod:`continual_blr.regularizers.context`). 0 (default, the paper): memorable points only.
+        context_weight: w in the context term (default 1).
     """
 
     tau: float = 10.0
@@ -181,6 +187,8 @@ class FunctionalParams:
     task_estimator: str = "unbiased"
     fused_forward: bool = False
     tau_scale: str = "none"
+    context_points: int = 0
+    context_weight: float = 1.0
 
     def __post_init__(self) -> None:
         """One-line ``ValueError`` naming the field and what is allowed."""
@@ -223,6 +231,15 @@ class FunctionalParams:
         if self.tau_scale == "kernel" and self.kernel == "identity":
             raise ValueError("params.tau_scale: 'kernel' needs a kernel to take the scale of; with kernel 'identity' "
                              "(FROMP-L2) allowed: 'none'")
+        if isinstance(self.context_points, bool) or not isinstance(self.context_points, int) \
+                or self.context_points < 0:
+            raise ValueError(f"params.context_points: must be an integer >= 0 (0: none), got {self.context_points!r}")
+        if not (isinstance(self.context_weight, (int, float)) and self.context_weight >= 0
+                and math.isfinite(self.context_weight)):
+            raise ValueError(f"params.context_weight: must be a finite number >= 0, got {self.context_weight!r}")
+        if self.context_points and (self.fused_forward or self.task_estimator == "saga"):
+            raise ValueError("params.context_points: not with fused_forward or task_estimator 'saga'; allowed: 0, "
+                             "or the separate passes with task_estimator 'unbiased'")
         for name in ("jitter_relative", "drop_below"):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):

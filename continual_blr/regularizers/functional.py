@@ -191,6 +191,7 @@ from ..memory import (
     eval_rows_after,
     row_split_refusal,
 )
+from .context import context_sum, frozen_copy, kernel_mean_diagonal
 from ..mixed_precision import active_autocast, full_precision, resumed_autocast, to_fp32
 from ..types import Batch, KronBlock, KronCurvature, ParamDict, params_of
 
@@ -380,6 +381,12 @@ class FunctionalRegularizer:
             module docstring); False (default): one pass for the minibatch and one per head for the penalty.
         tau_scale: ``"none"`` (default: τ absolute, the paper) | ``"kernel"`` (each kernel matrix divided by its
             mean diagonal before its jitter: τ in the kernel's units; module docstring).
+        context_points: n — the functional prior is read at the first n rows of each minibatch too, against a
+            frozen copy of the network taken at every rebuild, each stored task's outputs weighed by 1 / (its
+            kernel's mean diagonal) with no covariances (:mod:`continual_blr.regularizers.context`); 0 (default, the
+            paper): the memorable points only. Not with ``fused_forward`` or ``task_estimator="saga"``; under
+            ``tasks_per_step`` every stored task enters the context term.
+        context_weight: w, the context term's weight relative to τ: ``(τ w / 2) Σ_s Σ_c Σ_x Δo² / d̄_{s,c}``.
 
     Attributes:
         health: one list per rebuild, one dict per stored task: ``task_id``, ``points``, ``dropped_points`` (points
@@ -413,7 +420,16 @@ class FunctionalRegularizer:
         task_estimator: str = "unbiased",
         fused_forward: bool = False,
         tau_scale: str = "none",
+        context_points: int = 0,
+        context_weight: float = 1.0,
     ) -> None:
+        if not (isinstance(context_points, int) and not isinstance(context_points, bool) and context_points >= 0):
+            raise ValueError(f"context_points: must be an integer >= 0 (0: none), got {context_points!r}")
+        if not (isinstance(context_weight, (int, float)) and context_weight >= 0 and math.isfinite(context_weight)):
+            raise ValueError(f"context_weight: must be a finite number >= 0, got {context_weight!r}")
+        if context_points and (fused_forward or task_estimator == "saga"):
+            raise ValueError("context_points: not with fused_forward or task_estimator 'saga'; allowed: 0, or the "
+                             "separate passes with task_estimator 'unbiased'")
         if tau_scale not in TAU_SCALES:
             raise ValueError(f"tau_scale: got {tau_scale!r}; allowed: {', '.join(map(repr, TAU_SCALES))}")
         if tau_scale == "kernel" and kernel == "identity":
@@ -476,6 +492,9 @@ class FunctionalRegularizer:
         self.task_estimator = task_estimator
         self.fused_forward = fused_forward
         self.tau_scale = tau_scale
+        self.context_points = context_points
+        self.context_weight = float(context_weight)
+        self._snapshot: nn.Module | None = None  # θ_{t−1}, frozen at the last rebuild (context points only)
         self._fusable: tuple[int, int] | None = None  # (id, module count) of the model last checked for fusion
         self._saga: tuple[int, dict[int, ParamDict], ParamDict | None] = (-1, {}, None)  # (rebuild, ĝ_s, Σ ĝ)
         self.health: list[list[dict[str, Any]]] = []
@@ -508,6 +527,7 @@ class FunctionalRegularizer:
     def reset(self) -> None:
         """Forget every past task (memory and accumulated curvature)."""
         self.memory.clear()
+        self._snapshot = None
         self._saga = (-1, {}, None)
         self.fisher = None
         self.kron = {}
@@ -700,11 +720,18 @@ class FunctionalRegularizer:
                 if keep is not None:
                     per_point = (~keep).any(0) if keep.dim() == 2 else (~keep).reshape(len(e), -1).any(1)
                     record.update(dropped_points=int(per_point.sum()), dropped_outputs=int((~keep).sum()))
+            if self.context_points:  # d̄ per compared output (context.py); FROMP-L2: 1 / its output scale
+                n_out = e.extras["p_old"].shape[1]
+                e.extras["context_scale"] = (kernel_mean_diagonal(k, n_out) if sigma is not None else
+                                             torch.full((n_out,), 1.0 / self._identity_scale(n_out),
+                                                        dtype=torch.float64))
             entries.append(e)
             records.append(record)
         self.memory.entries = entries
         self.health.append(records)
         self._clear_groups()
+        if self.context_points:
+            self._snapshot = frozen_copy(model)
 
     # ----------------------------------------------------------------------------------- penalty
 
@@ -860,7 +887,22 @@ class FunctionalRegularizer:
                 p = torch.softmax(f, dim=-1) if self.output == "probs" else f
             total = self._add_terms(total, p, parts)
         # every task: the same expression as before the option existed, so its records stay bit-identical
-        return 0.5 * self.tau * total if scale == 1.0 else (0.5 * self.tau * scale) * total
+        out = 0.5 * self.tau * total if scale == 1.0 else (0.5 * self.tau * scale) * total
+        if self.context_points:  # (τ w / 2) Σ over the stored tasks at the minibatch's first rows (context.py)
+            out = out + (0.5 * self.tau * self.context_weight) * self._context(model, batch, params, outer)
+        return out
+
+    def _context(self, model: nn.Module, batch: Batch, params: ParamDict | None,
+                 outer: tuple[str, torch.dtype] | None) -> Tensor:
+        """``Σ_s Σ_c (1/d̄_{s,c}) Σ_x Δo²`` at the first ``context_points`` rows of the minibatch
+        (:func:`~continual_blr.regularizers.context.context_sum`)."""
+        if self._snapshot is None:
+            raise RuntimeError("FROMP context points: no frozen network; call on_task_start (or rebuild) after "
+                               "on_task_end / load_state_dict")
+        x = batch.x[: self.context_points]
+        return context_sum(model, self._snapshot, x, list(self.memory),
+                           lambda cols: _prob_fn(cols, False, self.output), self._norm, params, outer,
+                           per_task_norm=self.norm_statistics is not None)
 
     def penalty_and_outputs(self, model: nn.Module, batch: Batch, task: Task) -> tuple[Tensor, Tensor]:
         """(the minibatch's outputs ``model(batch.x, head=batch.head)``, :meth:`penalty`) from **one** forward pass
@@ -924,7 +966,8 @@ class FunctionalRegularizer:
                 "class_incremental": self.class_incremental, "memory_size": self.memory_size, "output": self.output,
                 "jitter_relative": self.jitter_relative, "drop_below": self.drop_below,
                 "forward_precision": self.forward_precision, "tasks_per_step": self.tasks_per_step,
-                "task_estimator": self.task_estimator, "fused_forward": self.fused_forward}
+                "task_estimator": self.task_estimator, "fused_forward": self.fused_forward,
+                "context_points": self.context_points, "context_weight": self.context_weight}
 
     def state_dict(self) -> dict[str, Any]:
         """Plain tensors / dicts / lists only (``torch.load(weights_only=True)`` reads it back)."""
