@@ -260,3 +260,34 @@ def test_one_body_pass_gives_each_tasks_own_forward():
     assert torch.equal(results[0][0], results[1][0])
     torch.testing.assert_close(results[0][1], results[1][1], **EXACT)  # the body's gradient summed in another order
     assert float(results[0][0]) > 0
+
+
+def test_under_tasks_per_step_every_stored_task_enters_the_context_term():
+    """With k = 1 of 2 stored tasks drawn for the memorable part, the context term still sums over both tasks: the
+    difference with and without context points equals ``context_sum`` over the whole memory (same draws)."""
+    from contextlib import nullcontext
+
+    from continual_blr.regularizers.context import context_sum
+    from continual_blr.regularizers.functional import _prob_fn
+
+    s = make_stream("synthetic", scenario="task", n_tasks=3, n_classes_per_task=2, n_features=5, n_train=60,
+                    n_test=10, seed=0)
+    tasks = [t.to("cpu", dtype=DT) for t in s.tasks]
+    model = build_model("mlp", (5,), 2, 3, hidden=(16,), generator=torch.Generator().manual_seed(0)).to(DT)
+    regs = [FunctionalRegularizer(tau=2.0, n_points=4, output="logits", tasks_per_step=1, context_points=n,
+                                  generator=torch.Generator().manual_seed(3)) for n in (8, 0)]
+    for t in tasks[:2]:
+        _fit_task1(model, t, epochs=5)
+        for reg in regs:
+            reg.on_task_end(model, t)
+    for reg in regs:
+        reg.rebuild(model)
+    snapshot = regs[0]._snapshot
+    _perturb(model)
+    batch = Batch(tasks[2].x_train[:8], tasks[2].y_train[:8], tasks[2].head)
+    with torch.no_grad():
+        diff = regs[0].penalty(model, batch, tasks[2]) - regs[1].penalty(model, batch, tasks[2])
+        full = context_sum(model, snapshot, batch.x, list(regs[0].memory), lambda c: _prob_fn(c, False, "logits"),
+                           lambda m, t: nullcontext())
+    assert len(regs[0].memory) == 2 and float(full) > 0
+    torch.testing.assert_close(diff, 0.5 * 2.0 * full, **EXACT)
