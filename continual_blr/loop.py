@@ -368,12 +368,15 @@ def _epochs(model: nn.Module, task: Task, method: Method, train: TrainConfig, op
     """:func:`fit_task`'s epochs over ``task`` (and the tasks ``method.train_tasks`` adds); the last epoch's mean
     training loss."""
     last = math.nan
+    warmup = _Warmup(optimizer, train.warmup_steps) if train.warmup_steps else None
     for epoch in bar:
         total, n = 0.0, 0  # summed on the loss's device: no host synchronisation per step
         for t, batch in _batches(tasks, train.batch_size, generator,
                                  None if leave_out is None else (task, leave_out)):
             for m in frozen:  # again at every step: evaluation and the BLR's step put the model back in train mode
                 m.eval()
+            if warmup is not None:
+                warmup.before_step()
             loss = train_step(model, method, optimizer, batch, t, train)
             total = total + loss.detach() * batch.y.shape[0]
             n += batch.y.shape[0]
@@ -387,6 +390,27 @@ def _epochs(model: nn.Module, task: Task, method: Method, train: TrainConfig, op
         if on_epoch is not None:
             on_epoch(epoch, last)
     return last
+
+
+class _Warmup:
+    """``train.warmup_steps`` k: before the i-th step of a task (i = 1..k) every parameter group's ``lr`` is set to
+    its value at the task's start times i / k; from step k + 1 on, back to that value."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, steps: int) -> None:
+        self.optimizer, self.steps, self.done = optimizer, int(steps), 0
+        try:
+            self.base = [float(g["lr"]) for g in optimizer.param_groups]
+        except KeyError:
+            raise ValueError(f"train.warmup_steps: the optimiser {type(optimizer).__name__} has no 'lr' in its "
+                             "parameter groups; allowed: 0") from None
+
+    def before_step(self) -> None:
+        if self.done > self.steps:
+            return
+        self.done += 1
+        factor = min(self.done / self.steps, 1.0)
+        for g, base in zip(self.optimizer.param_groups, self.base):
+            g["lr"] = base * factor
 
 
 def _use_norm_statistics(method: Method, store: NormStatistics) -> None:

@@ -77,6 +77,11 @@ class TrainConfig:
             minibatches with the model's forward under ``torch.compile`` (:mod:`continual_blr.compiled`: for GPUs,
             where a small network's step is bound by Python and kernel launches); with it, Adam on CUDA uses its
             fused kernel. Numbers agree with eager ones to round-off. Not with the BLR optimisers.
+        warmup_steps: k — each task's first k optimiser steps run at ``lr · i / k`` (step i = 1..k; every
+            parameter group's own step size, so the BLR optimisers' too), then at the full step size: a linear
+            warm-up (Goyal et al. 2017) against the first steps of an optimiser whose state is fresh at every task
+            (Adam's bias-corrected first step moves every weight by lr, whatever the gradient's size). 0 (default):
+            none. For every method alike.
     """
 
     epochs: int = 10
@@ -89,6 +94,7 @@ class TrainConfig:
     channels_last: bool | None = None
     batchnorm: str = "shared"
     compile: str = "off"
+    warmup_steps: int = 0
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "eval_batch_size"):
@@ -106,6 +112,8 @@ class TrainConfig:
         if self.batchnorm not in NORM_MODES:
             raise ValueError(f"train.batchnorm: got {self.batchnorm!r}; allowed: {', '.join(map(repr, NORM_MODES))}")
         check_compile(self.compile, "train.compile")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"train.warmup_steps: must be an integer >= 0 (0: no warm-up), got {self.warmup_steps!r}")
 
     @property
     def use_channels_last(self) -> bool:
