@@ -997,6 +997,41 @@ def test_fromp_memorable_fit_compares_each_past_task_with_its_own_end(tmp_path):
     assert fit.main([str(tmp_path)]) == 2
 
 
+def test_fromp_memorable_fit_reads_another_runs_points_for_a_run_without_any(tmp_path):
+    """``fromp_memorable_fit.py --points-from``: a ``none`` run of the same stream, compared at the FROMP run's
+    memorable points of task 1, gives the RMS change and accuracy computed through the library's loaders on the
+    ``none`` networks at those points; without ``--points-from`` the ``none`` run is a one-line error."""
+    from continual_blr.cli import main as cli
+    from continual_blr.saved_run import load_boundary, load_run
+
+    fit = _diagnosis("fromp_memorable_fit")
+    torch.set_num_threads(1)
+    (tmp_path / "c.yaml").write_text(
+        "stream: {name: synthetic, options: {n_tasks: 2, n_train: 40, n_features: 6}}\nmodel: {hidden: [8]}\n"
+        "train: {epochs: 30, batch_size: 20, lr: 0.05}\nprogress: false\n"
+        "methods: [{name: fromp, params: {n_points: 4, tau: 0.01}}, {name: none}]\n")
+    assert cli(["run", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "run")]) == 0
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit, match="--points-from"):
+        fit.summarise(run / "none", None)
+    table = fit.summarise(run / "none", None, points_from=run / "fromp")
+    rows = [r for r in table.splitlines() if r.startswith("| 2 | 1 |")]
+    assert len(rows) == 1
+
+    points = load_run(run, method="fromp")
+    entry = next(e for e in points.method.regularizer.memory if e.task_id == points.stream.tasks[0].task_id)
+    end = load_run(run, method="none")
+    first = load_boundary(end, 0)
+    with torch.no_grad():
+        f1, f0 = end.model(entry.x, head=entry.head), first.model(entry.x, head=entry.head)
+    c = lambda f: f - f.mean(-1, keepdim=True)  # noqa: E731
+    rms = float((c(f1) - c(f0)).pow(2).sum(-1).mean().sqrt())
+    acc = 100.0 * float((f1.argmax(-1) == entry.y).float().mean())
+    cells = [s.strip() for s in rows[0].strip("|").split("|")]
+    assert rms > 0.05, "the none run did not move task 1's outputs: the comparison would prove nothing"
+    assert cells[2] == f"{rms:.2f}" and cells[4] == f"{acc:.1f}"
+
+
 def test_fromp_step_trace_replays_a_task_bit_for_bit_and_reads_adams_state(tmp_path):
     """``benchmarks/diagnose/fromp_step_trace.py`` on a tiny three-task FROMP run: replaying task 3 from task 2's
     boundary checkpoint gives the original run's epoch-mean training loss bit for bit (the oracle is the run's own

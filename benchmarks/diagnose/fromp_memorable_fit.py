@@ -17,6 +17,9 @@ task s's head (and task s's BatchNorm statistics under ``train.batchnorm: per_ta
 A penalty that protects the task moves both little; a penalty the network satisfies at the memorable points alone
 keeps their change small while the held-out change (and accuracy) goes its own way. Everything runs in fp32, in
 eval mode. Markdown on stdout; nothing is written.
+
+A run without memorable points (EWC, none) is compared at another FROMP run's points: ``--points-from FROMP_RUN_DIR``
+reads them from that run's last boundary checkpoint (same stream and seed, so the same points of each task).
 """
 
 from __future__ import annotations
@@ -64,8 +67,16 @@ def _load(run: Path, k: int, config: RunConfig, stream):
     return model, norm, ck
 
 
-def summarise(run: Path, data_dir: str | None) -> str:
-    """The markdown table for one run folder (module docstring)."""
+def _entries(ck: dict, run: Path) -> list[dict]:
+    reg = (ck.get("method") or {}).get("regularizer") or {}
+    if "memory" not in reg:
+        raise SystemExit(f"error: {run}: its checkpoints hold no memorable points; give --points-from FROMP_RUN_DIR")
+    return reg["memory"]["entries"]
+
+
+def summarise(run: Path, data_dir: str | None, points_from: Path | None = None) -> str:
+    """The markdown table for one run folder (module docstring); memorable points from ``points_from``'s last
+    boundary checkpoint when given."""
     payload = json.loads((run.parent / "results.json").read_text())
     raw = dict(payload["config"])
     if data_dir is not None:
@@ -75,12 +86,16 @@ def summarise(run: Path, data_dir: str | None) -> str:
     tasks = list(stream)
     ks = sorted(int(p.stem.removeprefix("after_task")) for p in (run / "tasks").glob("after_task*.pt"))
     nets = {k: _load(run, k, config, stream) for k in ks}
-    lines = [f"**{run}**", "",
+    fixed = None
+    if points_from is not None:
+        last = max(points_from.glob("tasks/after_task*.pt"), key=lambda p: int(p.stem.removeprefix("after_task")))
+        fixed = _entries(torch.load(last, map_location="cpu", weights_only=False), points_from)
+    lines = [f"**{run}**" + (f" (memorable points of {points_from})" if fixed is not None else ""), "",
              "| after task | task | memorable: RMS Δf̃ since its end | held-out: RMS Δf̃ | memorable acc (%) | "
              "held-out acc (%) |", "|---|---|---|---|---|---|"]
     for k in ks:
         model, norm, ck = nets[k]
-        entries = ck["method"]["regularizer"]["memory"]["entries"]
+        entries = fixed if fixed is not None else _entries(ck, run)
         for s in range(k):
             if s not in nets:
                 continue
@@ -104,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("runs", nargs="+", type=Path, help="FROMP run folders holding tasks/after_task<k>.pt")
     ap.add_argument("--data-dir", default=None, help="the data root (default: the run config's)")
+    ap.add_argument("--points-from", type=Path, default=None,
+                    help="a FROMP run folder whose memorable points to use (for runs without any: EWC, none)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -112,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {run}: no tasks/ boundary checkpoints or no results.json beside it (give the method's "
                   "folder of a run made with --work-dir)", file=sys.stderr)
             return 2
-        print(summarise(run, args.data_dir))
+        print(summarise(run, args.data_dir, args.points_from))
         print()
     return 0
 
