@@ -963,35 +963,51 @@ def test_run_log_summary_reports_each_tasks_worst_epoch_and_the_divergence_bar(t
     assert summary.main([str(tmp_path)]) == 2 and "no train_log.csv" in capsys.readouterr().err
 
 
+def _two_task_run(tmp_path, methods: str):
+    """A tiny two-task run of ``methods`` (a YAML list) into ``tmp_path / "run"``: task 2 trained long enough, with
+    FROMP's τ small enough, to move task 1's outputs."""
+    from continual_blr.cli import main as cli
+
+    torch.set_num_threads(1)
+    (tmp_path / "c.yaml").write_text(
+        "stream: {name: synthetic, options: {n_tasks: 2, n_train: 40, n_features: 6}}\nmodel: {hidden: [8]}\n"
+        f"train: {{epochs: 30, batch_size: 20, lr: 0.05}}\nprogress: false\nmethods: {methods}\n")
+    assert cli(["run", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "run")]) == 0
+    return tmp_path / "run"
+
+
+def _memorable_fit_oracle(run, method: str, points_method: str) -> tuple[float, float]:
+    """The RMS change of the centred logits of task 1 between the ends of tasks 1 and 2 of ``method``'s networks,
+    and their accuracy after task 2, at ``points_method``'s memorable points of task 1, through the library's own
+    loaders (``load_run``, ``load_boundary``)."""
+    from continual_blr.saved_run import load_boundary, load_run
+
+    points = load_run(run, method=points_method)
+    entry = next(e for e in points.method.regularizer.memory if e.task_id == points.stream.tasks[0].task_id)
+    end = load_run(run, method=method)
+    first = load_boundary(end, 0)
+    with torch.no_grad():
+        f1, f0 = end.model(entry.x, head=entry.head), first.model(entry.x, head=entry.head)
+    c = lambda f: f - f.mean(-1, keepdim=True)  # noqa: E731
+    return (float((c(f1) - c(f0)).pow(2).sum(-1).mean().sqrt()),
+            100.0 * float((f1.argmax(-1) == entry.y).float().mean()))
+
+
+def _row_cells(table: str) -> list[str]:
+    rows = [r for r in table.splitlines() if r.startswith("| 2 | 1 |")]
+    assert len(rows) == 1 and len([r for r in table.splitlines() if r.startswith("| ")]) == 2
+    return [s.strip() for s in rows[0].strip("|").split("|")]
+
+
 def test_fromp_memorable_fit_compares_each_past_task_with_its_own_end(tmp_path):
     """``benchmarks/diagnose/fromp_memorable_fit.py`` on a tiny two-task FROMP run: one row (after task 2, task 1)
     whose memorable-point RMS change of the centred logits and accuracies equal those computed through the library's
     own loaders (``load_run`` for the network after task 2, ``load_boundary`` for it after task 1), to the table's two
     decimals; a folder without boundary checkpoints is a one-line error."""
-    from continual_blr.cli import main as cli
-    from continual_blr.saved_run import load_boundary, load_run
-
     fit = _diagnosis("fromp_memorable_fit")
-    torch.set_num_threads(1)
-    (tmp_path / "c.yaml").write_text(  # task 2 trained long enough with τ small enough to move task 1's outputs
-        "stream: {name: synthetic, options: {n_tasks: 2, n_train: 40, n_features: 6}}\nmodel: {hidden: [8]}\n"
-        "train: {epochs: 30, batch_size: 20, lr: 0.05}\nprogress: false\n"
-        "methods: [{name: fromp, params: {n_points: 4, tau: 0.01}}]\n")
-    assert cli(["run", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "run")]) == 0
-    root = tmp_path
-    table = fit.summarise(root / "run" / "fromp", None)
-    rows = [r for r in table.splitlines() if r.startswith("| 2 | 1 |")]
-    assert len(rows) == 1 and len([r for r in table.splitlines() if r.startswith("| ")]) == 2
-
-    end = load_run(root / "run", method="fromp")
-    first = load_boundary(end, 0)
-    entry = next(e for e in end.method.regularizer.memory if e.task_id == end.stream.tasks[0].task_id)
-    with torch.no_grad():
-        f1, f0 = end.model(entry.x, head=entry.head), first.model(entry.x, head=entry.head)
-    c = lambda f: f - f.mean(-1, keepdim=True)  # noqa: E731
-    rms = float((c(f1) - c(f0)).pow(2).sum(-1).mean().sqrt())
-    acc = 100.0 * float((f1.argmax(-1) == entry.y).float().mean())
-    cells = [s.strip() for s in rows[0].strip("|").split("|")]
+    run = _two_task_run(tmp_path, "[{name: fromp, params: {n_points: 4, tau: 0.01}}]")
+    cells = _row_cells(fit.summarise(run / "fromp", None))
+    rms, acc = _memorable_fit_oracle(run, "fromp", "fromp")
     assert rms > 0.05, "the run did not move task 1's outputs: the comparison would prove nothing"
     assert cells[2] == f"{rms:.2f}" and cells[4] == f"{acc:.1f}"
     assert fit.main([str(tmp_path)]) == 2
@@ -1001,33 +1017,12 @@ def test_fromp_memorable_fit_reads_another_runs_points_for_a_run_without_any(tmp
     """``fromp_memorable_fit.py --points-from``: a ``none`` run of the same stream, compared at the FROMP run's
     memorable points of task 1, gives the RMS change and accuracy computed through the library's loaders on the
     ``none`` networks at those points; without ``--points-from`` the ``none`` run is a one-line error."""
-    from continual_blr.cli import main as cli
-    from continual_blr.saved_run import load_boundary, load_run
-
     fit = _diagnosis("fromp_memorable_fit")
-    torch.set_num_threads(1)
-    (tmp_path / "c.yaml").write_text(
-        "stream: {name: synthetic, options: {n_tasks: 2, n_train: 40, n_features: 6}}\nmodel: {hidden: [8]}\n"
-        "train: {epochs: 30, batch_size: 20, lr: 0.05}\nprogress: false\n"
-        "methods: [{name: fromp, params: {n_points: 4, tau: 0.01}}, {name: none}]\n")
-    assert cli(["run", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "run")]) == 0
-    run = tmp_path / "run"
+    run = _two_task_run(tmp_path, "[{name: fromp, params: {n_points: 4, tau: 0.01}}, {name: none}]")
     with pytest.raises(SystemExit, match="--points-from"):
         fit.summarise(run / "none", None)
-    table = fit.summarise(run / "none", None, points_from=run / "fromp")
-    rows = [r for r in table.splitlines() if r.startswith("| 2 | 1 |")]
-    assert len(rows) == 1
-
-    points = load_run(run, method="fromp")
-    entry = next(e for e in points.method.regularizer.memory if e.task_id == points.stream.tasks[0].task_id)
-    end = load_run(run, method="none")
-    first = load_boundary(end, 0)
-    with torch.no_grad():
-        f1, f0 = end.model(entry.x, head=entry.head), first.model(entry.x, head=entry.head)
-    c = lambda f: f - f.mean(-1, keepdim=True)  # noqa: E731
-    rms = float((c(f1) - c(f0)).pow(2).sum(-1).mean().sqrt())
-    acc = 100.0 * float((f1.argmax(-1) == entry.y).float().mean())
-    cells = [s.strip() for s in rows[0].strip("|").split("|")]
+    cells = _row_cells(fit.summarise(run / "none", None, points_from=run / "fromp"))
+    rms, acc = _memorable_fit_oracle(run, "none", "fromp")
     assert rms > 0.05, "the none run did not move task 1's outputs: the comparison would prove nothing"
     assert cells[2] == f"{rms:.2f}" and cells[4] == f"{acc:.1f}"
 
