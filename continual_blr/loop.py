@@ -394,12 +394,16 @@ def _epochs(model: nn.Module, task: Task, method: Method, train: TrainConfig, op
 
 class _Warmup:
     """``train.warmup_steps`` k: before the i-th step of a task (i = 1..k) every parameter group's ``lr`` is set to
-    its value at the task's start times i / k; from step k + 1 on, back to that value."""
+    its full value times i / k; from step k + 1 on, back to that value.
+
+    The full value is read once per parameter group and kept in the group (``"warmup_lr"``): an optimiser kept
+    across tasks (the BLR's, whose state is the posterior) may end a task of at most k steps inside its ramp, and
+    the next task must ramp to the full value again, not to that reduced one."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, steps: int) -> None:
         self.optimizer, self.steps, self.done = optimizer, int(steps), 0
         try:
-            self.base = [float(g["lr"]) for g in optimizer.param_groups]
+            self.base = [float(g.setdefault("warmup_lr", g["lr"])) for g in optimizer.param_groups]
         except KeyError:
             raise ValueError(f"train.warmup_steps: the optimiser {type(optimizer).__name__} has no 'lr' in its "
                              "parameter groups; allowed: 0") from None

@@ -63,3 +63,59 @@ def test_bad_warmup_is_a_one_line_error():
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="train.warmup_steps"):
             TrainConfig(warmup_steps=bad)
+
+
+def _kept_optimiser_rates(name: str, n_tasks: int, warmup_steps: int) -> list[list[list[float]]]:
+    """Method ``name``'s (a BLR method: one optimiser kept across the stream) parameter groups' ``lr`` at every step,
+    per task, over a small ``n_tasks``-task stream of 6 steps a task."""
+    s = make_stream("synthetic", scenario="task", n_tasks=n_tasks, n_classes_per_task=2, n_features=4, n_train=40,
+                    n_test=8, seed=0)
+    model = build_model("mlp", (4,), 2, n_tasks, hidden=(8,), generator=torch.Generator().manual_seed(0))
+    method = build_method(name, {}, seed=0)
+    train = TrainConfig(epochs=2, batch_size=16, lr=0.05, warmup_steps=warmup_steps)
+    method.setup(model, s, train)
+    per_task: list[list[list[float]]] = []
+    make, wrapped = method.make_optimizer, set()
+
+    def recording(model_, task, train_):
+        opt = make(model_, task, train_)
+        per_task.append([])
+        if id(opt) not in wrapped:  # one optimiser for the whole stream: wrap its step once
+            wrapped.add(id(opt))
+            step = opt.step
+
+            def step_and_record(*args, **kwargs):
+                per_task[-1].append([g["lr"] for g in opt.param_groups])
+                return step(*args, **kwargs)
+
+            opt.step = step_and_record
+        return opt
+
+    method.make_optimizer = recording
+    g = torch.Generator().manual_seed(0)
+    for i, t in enumerate(s.tasks):
+        fit_task(model, t, method, train, seen=s.tasks[: i + 1], generator=g, progress=False)
+    assert len(wrapped) == 1 and len(per_task) == n_tasks, "the tests need one optimiser kept across the tasks"
+    return per_task
+
+
+@pytest.mark.parametrize("name", ["blr", "ivon"])
+def test_the_bayesian_learning_rules_step_sizes_ramp_too(name):
+    """The BLR optimisers (their state is the posterior, kept across tasks) take the same ramp: k = 3, each task's
+    steps 1-3 at i/3 of the rate its step 4 runs at, and that rate the same at both tasks."""
+    per_task = _kept_optimiser_rates(name, 2, 3)
+    full = per_task[0][3]
+    assert all(b > 0 for b in full)
+    for seen in per_task:
+        assert len(seen) > 3
+        for i, got in enumerate(seen, start=1):
+            assert got == pytest.approx([b * min(i / 3, 1.0) for b in full], rel=1e-15)
+
+
+def test_a_kept_optimiser_that_ends_a_task_inside_its_ramp_ramps_to_the_full_rate_at_the_next():
+    """k = 50 with 6 steps a task: every task ends inside its ramp, and each next task's first step is again at 1/50
+    of the first task's full rate (not of the reduced rate the last task ended at)."""
+    per_task = _kept_optimiser_rates("ivon", 3, 50)
+    first = per_task[0][0]
+    assert first[0] > 0 and per_task[0][-1][0] == pytest.approx(first[0] * len(per_task[0]), rel=1e-12)
+    assert per_task[1][0] == first and per_task[2][0] == first
