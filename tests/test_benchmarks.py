@@ -1023,6 +1023,10 @@ def test_fromp_memorable_fit_reads_another_runs_points_for_a_run_without_any(tmp
         fit.summarise(run / "none", None)
     cells = _row_cells(fit.summarise(run / "none", None, points_from=run / "fromp"))
     rms, acc = _memorable_fit_oracle(run, "none", "fromp")
+    (tmp_path / "seed1").mkdir()
+    other = _two_task_run(tmp_path / "seed1", "[{name: fromp, params: {n_points: 4, tau: 0.01}}]\nseed: 1")
+    with pytest.raises(SystemExit, match="another stream or seed"):
+        fit.summarise(run / "none", None, points_from=other / "fromp")
     assert rms > 0.05, "the none run did not move task 1's outputs: the comparison would prove nothing"
     assert cells[2] == f"{rms:.2f}" and cells[4] == f"{acc:.1f}"
 

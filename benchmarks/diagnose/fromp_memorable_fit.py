@@ -88,6 +88,11 @@ def summarise(run: Path, data_dir: str | None, points_from: Path | None = None) 
     nets = {k: _load(run, k, config, stream) for k in ks}
     fixed = None
     if points_from is not None:
+        other = json.loads((points_from.parent / "results.json").read_text())["config"]
+        same = lambda c: (c.get("seed"), {k: v for k, v in c["stream"].items() if k != "data_dir"})  # noqa: E731
+        if same(other) != same(payload["config"]):
+            raise SystemExit(f"error: --points-from {points_from}: another stream or seed than {run} "
+                             f"({same(other)} against {same(payload['config'])}); its points would be other images")
         last = max(points_from.glob("tasks/after_task*.pt"), key=lambda p: int(p.stem.removeprefix("after_task")))
         fixed = _entries(torch.load(last, map_location="cpu", weights_only=False), points_from)
     lines = [f"**{run}**" + (f" (memorable points of {points_from})" if fixed is not None else ""), "",
