@@ -43,3 +43,33 @@ def test_end_to_end_reports_go_to_an_explicit_out(tmp_path, monkeypatch):
     args = argparse.Namespace(no_write=False, out=None, benchmark="permuted_mnist", quick=True)
     perf_fromp.write_end_to_end("blr", args, "default")
     assert (default_root / "benchmarks/results/perf/perf_blr_end_to_end_permuted_mnist_quick.md").read_text() == "default"
+
+
+def test_perf_train_compiled_rows_run_the_compiled_forward(monkeypatch):
+    """``perf_train.py --compile`` must time the step with the compiled forward installed. Its context was once entered
+    and dropped, so the generator closed at once and the compiled rows timed the eager step. ``torch.compile`` is
+    replaced by a counting wrapper (no graph is built: the test runs in a second); the compiled step must call it
+    on every step and the eager step never. Planted once: the context entered without being kept, this fails."""
+    import gc
+
+    import continual_blr.compiled as compiled
+
+    calls = {"n": 0}
+
+    def fake_compile(fn, **kwargs):
+        def counted(*args, **kw):
+            calls["n"] += 1
+            return fn(*args, **kw)
+        return counted
+
+    monkeypatch.setattr(compiled.torch, "compile", fake_compile)
+    perf = _load("perf_train")
+    monkeypatch.setattr(perf, "BATCH", 4)
+    step = perf._step_fn("cifarnet", "fp32", False, seed=0, compile="default")
+    gc.collect()
+    for _ in range(3):
+        step()
+    assert calls["n"] == 3
+    eager = perf._step_fn("cifarnet", "fp32", False, seed=0)
+    eager()
+    assert calls["n"] == 3
