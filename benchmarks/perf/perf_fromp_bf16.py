@@ -15,6 +15,11 @@ round by round, by CPU time: one ``loop.train_step`` of ``none``, of ``fromp`` (
 ``tasks_per_step`` 1 and 2 (the penalty's unbiased estimate over that many of the four past tasks, drawn per step)
 and with ``tasks_per_step`` 1 under ``task_estimator: saga``; and ``fused_forward`` (the minibatch and the memorable
 points in one pass, dropout on the minibatch's rows only) for every past task and for ``tasks_per_step`` 1.
+With ``--remedy`` (issue 43's chosen CifarNet remedy, ``configs/split_cifar10/bf16/fromp_remedy.yaml``: logits,
+128 context rows, ``forward_precision: train``) the steps timed are ``none``, the remedy, and the remedy with
+``n_points`` 50 (with 128 or 64 context rows) or with ``tasks_per_step`` 1 (the cost candidates of the CifarNet
+screen's round 2,
+``benchmarks/results/search/declare_split_cifar10_cifarnet_bf16_screen.md``).
 An epoch is 39 such steps, so step ratios are epoch ratios. The floor: every step also passes the 800 memorable
 points, (256 + 800) / 256 = 4.1 × the plain step's rows (k past tasks per step: (256 + 200 k) / 256).
 
@@ -53,6 +58,13 @@ ROOT = Path(__file__).resolve().parents[2]
 SHAPE, BATCH, POINTS, PAST = (3, 32, 32), 256, 200, 4
 FROMP = {"tau": 10.0, "n_points": POINTS, "prior_precision": 1e-4, "jitter": 1e-6}  # configs/split_cifar10/fromp.yaml
 TARGET = 2.0
+# configs/split_cifar10/bf16/fromp_remedy.yaml: the CifarNet remedy chosen on validation (issue 43)
+REMEDY = FROMP | {"forward_precision": "train", "output": "logits", "context_points": 128, "context_weight": 1.0}
+REMEDY_STEPS = {"fromp remedy (logits, 128 context rows)": REMEDY,
+                "fromp remedy, n_points 50": REMEDY | {"n_points": 50},
+                "fromp remedy, tasks_per_step 1": REMEDY | {"tasks_per_step": 1},
+                "fromp remedy, n_points 50, 64 context rows (w 2)": REMEDY | {"n_points": 50, "context_points": 64,
+                                                                        "context_weight": 2.0}}
 
 
 def _model(heads: int = 5) -> torch.nn.Module:
@@ -67,8 +79,9 @@ def _random_task(i: int, n: int, g: torch.Generator) -> Task:
     return Task(i, x, y, x[:10], y[:10], (2 * i, 2 * i + 1), head=i, name=f"t{i}")
 
 
-def cost(steps: int) -> dict[str, float]:
-    """Median CPU seconds of one step: none, fromp (fp32 penalty), fromp (bf16 penalty forward)."""
+def cost(steps: int, remedy: bool = False) -> dict[str, float]:
+    """Median CPU seconds of one step: none, fromp (fp32 penalty), fromp (bf16 penalty forward) and its variants;
+    with ``remedy``, none and the steps of :data:`REMEDY_STEPS` instead."""
     g = torch.Generator().manual_seed(0)
     tasks = [_random_task(i, POINTS + 56, g) for i in range(PAST + 1)]
     stream = TaskStream("perf", tasks, "task", SHAPE, 2, PAST + 1)
@@ -91,6 +104,9 @@ def cost(steps: int) -> dict[str, float]:
                "fromp (forward_precision: train, tasks_per_step 1, fused_forward)": build_method(
                    "fromp", FROMP | {"forward_precision": "train", "tasks_per_step": 1, "fused_forward": True},
                    seed=0)}
+    if remedy:
+        methods = {"none": methods["none"]} | {k: build_method("fromp", dict(v), seed=0)
+                                               for k, v in REMEDY_STEPS.items()}
     for m in methods.values():
         m.setup(model, stream, train)
     for name, m in methods.items():
@@ -185,6 +201,18 @@ def report(c: dict[str, float], e: dict, steps: int, epochs: int, command: str) 
     ]
     for k, v in c.items():
         lines.append(f"| {k} | {1e3 * v:.0f} | {v / plain:.2f} |")
+    if any(k.startswith("fromp remedy") for k in c):
+        ratios = {k: v / plain for k, v in c.items() if k != "none"}
+        lines += [
+            "",
+            f"Target (issue 43): a FROMP epoch at the last task ≤ {TARGET:.0f} × a plain bf16 epoch. "
+            + "; ".join(f"{k}: {r:.2f} × " + ("(met)" if r <= TARGET else "(**not met**)") for k, r in ratios.items())
+            + f". Memorable rows per step beside the {BATCH} of the minibatch: {PAST} × {POINTS} (the remedy), "
+            f"{PAST} × 50 (n_points 50), 1 × {POINTS} (tasks_per_step 1); each also passes 128 context rows (64 where "
+            "named) through the network and its frozen copy. Which of them keeps the remedy's accuracy is the screen's question "
+            "(round 2, on validation).",
+        ]
+        return "\n".join(lines) + "\n"
     full = {k: v for k, v in c.items() if k != "none" and "tasks_per_step" not in k}
     best = min(full.values()) / plain
     sampled = {k: v / plain for k, v in c.items() if "tasks_per_step" in k}
@@ -220,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=2, help="epochs per task before the error is measured")
     ap.add_argument("--n-train", type=int, default=2048, help="training images per task for the error part")
     ap.add_argument("--data-dir", default=os.environ.get("CONTINUAL_BLR_DATA"))
+    ap.add_argument("--remedy", action="store_true",
+                    help="time none and issue 43's remedy with its two cost candidates; no error part")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "perf" / "perf_fromp_bf16.md"),
                     help="the report's path (default benchmarks/results/perf/perf_fromp_bf16.md)")
@@ -227,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads < 1 or args.steps < 1 or args.epochs < 1 or args.n_train < BATCH:
         ap.error(f"--threads, --steps, --epochs must be >= 1 and --n-train >= {BATCH}")
     torch.set_num_threads(args.threads)
-    c = cost(args.steps)
-    e = error(args.data_dir, args.epochs, args.n_train)
+    c = cost(args.steps, args.remedy)
+    e = {} if args.remedy else error(args.data_dir, args.epochs, args.n_train)
     command = "python " + " ".join(shlex.quote(a) for a in ["benchmarks/perf/perf_fromp_bf16.py", *sys.argv[1:]])
     text = report(c, e, args.steps, args.epochs, command.replace(str(args.data_dir), "$CONTINUAL_BLR_DATA")
                   if args.data_dir else command)
