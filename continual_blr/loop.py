@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 
 from . import distributed
 from .compiled import compiled_forward
+from .data.augment import augment, check_images
 from .data.stream import Task, TaskStream
 from .memory import NormStatistics, norm_layers
 from .methods.base import Method, TrainConfig, register_fit_task
@@ -338,12 +339,16 @@ def fit_task(
     ``method.on_task_end``. Under ``train.batchnorm: frozen`` and a task after the first (``len(seen) > 1``) the
     BatchNorm layers are put in eval mode before every step (module docstring). ``train.compile`` other than
     ``"off"``: the epochs' steps run the model's forward under ``torch.compile`` (:mod:`continual_blr.compiled`);
-    the task's start and end run eagerly.
+    the task's start and end run eagerly. ``train.augment`` other than ``"off"``: each step trains on its minibatch
+    augmented from ``generator`` (:mod:`continual_blr.data.augment`), and ``method.after_step`` (replay buffers)
+    sees the minibatch as drawn.
 
     Raises:
         DivergenceError: an epoch's mean training loss is not finite (checked once per epoch).
-        ValueError: ``train.compile`` with a Bayesian-learning-rule optimiser.
+        ValueError: ``train.compile`` with a Bayesian-learning-rule optimiser; ``train.augment`` on a task whose
+            inputs are not images.
     """
+    check_images(train.augment, tuple(task.x_train.shape[1:]), f"task {task.task_id} ({task.name})")
     method.on_task_start(model, task)
     optimizer = method.make_optimizer(model, task, train)
     if train.compile != "off" and isinstance(optimizer, BayesianLearningRule):
@@ -377,7 +382,12 @@ def _epochs(model: nn.Module, task: Task, method: Method, train: TrainConfig, op
                 m.eval()
             if warmup is not None:
                 warmup.before_step()
-            loss = train_step(model, method, optimizer, batch, t, train)
+            if train.augment == "off":
+                loss = train_step(model, method, optimizer, batch, t, train)
+            else:  # the step on augmented images drawn from the loop's generator; the buffers see them as stored
+                seen = batch._replace(x=augment(batch.x, train.augment, generator))
+                loss = train_step(model, method, optimizer, seen, t, train, observe=False)
+                method.after_step(model, batch._replace(x=match_input_format(batch.x, model)), t)
             total = total + loss.detach() * batch.y.shape[0]
             n += batch.y.shape[0]
         last = float(total) / max(n, 1)

@@ -39,6 +39,7 @@ from torch.nn import functional as F
 
 from ..compiled import check_compile
 from ..curvature import likelihoods as lk
+from ..data.augment import check_augment
 from ..data.stream import Task, TaskStream
 from ..memory import NORM_MODES
 from ..mixed_precision import channels_last_on, check_precision
@@ -82,6 +83,11 @@ class TrainConfig:
             warm-up (Goyal et al. 2017) against the first steps of an optimiser whose state is fresh at every task
             (Adam's bias-corrected first step moves every weight by lr, whatever the gradient's size). 0 (default):
             none. For every method alike.
+        augment: ``"off"`` (default) | ``"crop_flip"``: each training minibatch, and each replayed batch of a
+            replay buffer (``er``, ``derpp``), augmented afresh (:mod:`continual_blr.data.augment`: the DER
+            protocol's random 4-pixel-padded crop and horizontal flip) from the loop's seeded generator (the
+            buffers' from their own); buffers store the images as drawn, and evaluation, a task's end and FROMP's
+            memorable points never see an augmented image. Image streams only. For every method alike.
     """
 
     epochs: int = 10
@@ -95,6 +101,7 @@ class TrainConfig:
     batchnorm: str = "shared"
     compile: str = "off"
     warmup_steps: int = 0
+    augment: str = "off"
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "eval_batch_size"):
@@ -114,6 +121,7 @@ class TrainConfig:
         check_compile(self.compile, "train.compile")
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"train.warmup_steps: must be an integer >= 0 (0: no warm-up), got {self.warmup_steps!r}")
+        check_augment(self.augment, "train.augment")
 
     @property
     def use_channels_last(self) -> bool:

@@ -19,6 +19,9 @@ every step (k = ``replay_batch_size``; None: all of them, in a fixed order). On 
 would otherwise push every input to the new classes, and the functional term keeps the old function's
 probabilities at those points; on a task-incremental stream each point is replayed on its task's head.
 
+``train.augment``: the label replay's points are augmented afresh at every draw (``replay_augment``, as ``er`` and
+``derpp`` replay theirs); FROMP's functional term reads them, and the kernels are built at them, as stored.
+
 Data parallel: the memory, and the generator that draws the replayed points, are the same on every rank, so
 the replay term (like FROMP's penalty) enters the all-reduced gradient once.
 """
@@ -31,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..data.augment import ReplayAugment
 from ..data.stream import Task, TaskStream
 from ..regularizers.functional import FunctionalRegularizer
 from ..types import Batch
@@ -81,12 +85,14 @@ class FROMPReplayMethod(Method):
         self.regularizer: FunctionalRegularizer = FunctionalRegularizer(**kw, generator=self.generator)
         self.penalty_log = PenaltyLog()
         self._rebuilt = False
+        self.replay_augment = ReplayAugment(seed + 15485863)  # train.augment on the label replay's points
 
     def setup(self, model: nn.Module, stream: TaskStream, train: TrainConfig) -> None:
         """Start from an empty memory; single-head class-incremental streams may restrict FROMP's columns."""
         super().setup(model, stream, train)
         self.regularizer.reset()
         self.regularizer.class_incremental = stream.scenario == "class"
+        self.replay_augment.reset(train.augment)
 
     def _replay_nll(self, model: nn.Module) -> Tensor | None:
         """(1/k) Σ_j ℓ(f_θ(x_j), y_j) over k memorable points (all of them when replay_batch_size is None)."""
@@ -107,7 +113,8 @@ class FROMPReplayMethod(Method):
                 xs, ys = by_head.setdefault(e.head, ([], []))
                 xs.append(e.x[idx.to(e.x.device)])
                 ys.append(e.y[idx.to(e.y.device)])
-        groups = [(torch.cat(xs), torch.cat(ys), head) for head, (xs, ys) in sorted(by_head.items())]
+        groups = [(self.replay_augment(torch.cat(xs)), torch.cat(ys), head)
+                  for head, (xs, ys) in sorted(by_head.items())]
         return replay_nll(model, groups, self.likelihood, self.sigma)
 
     def on_task_start(self, model: nn.Module, task: Task) -> None:

@@ -36,6 +36,10 @@ on that minibatch — the same network up to one optimiser step, and only the ke
 
 Multi-head streams: each stored example keeps its head, and a replay draw runs one forward per head.
 
+``train.augment`` (:mod:`continual_blr.data.augment`): the buffer stores the minibatch's images as drawn (the loop
+hands :meth:`after_step` the un-augmented batch, as the DER code stores its non-augmented inputs) and every replay
+draw is augmented afresh from the method's own generator (``replay_augment``; checkpoints keep its state).
+
 Data parallel (``continual_blr.distributed``): ``train_step`` hands :meth:`after_step` the global minibatch on
 every rank, and the buffer's generator is in the same state on every rank, so every rank keeps an identical
 buffer and draws identical replay examples. The replay terms are then the same on every rank, like a penalty:
@@ -45,16 +49,17 @@ evaluates them in full; they are not sharded).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from ..data.augment import ReplayAugment
 from ..data.stream import Task, TaskStream
 from ..memory import SELECTIONS, select_per_class, selection_scores, share_budget
-from ..replay_buffer import BUFFER_SELECTIONS, ReplayBuffer
+from ..replay_buffer import BUFFER_SELECTIONS, ReplayBuffer, ReplaySample
 from ..types import Batch
 from .base import Method, TrainConfig, mean_nll
 
@@ -139,6 +144,7 @@ class ERMethod(Method):
         self.params = params or ERParams()
         self.buffer = self._new_buffer()
         self._batch_size = 32
+        self.replay_augment = ReplayAugment(seed + 15485863)  # train.augment on the replayed draws
 
     def _new_buffer(self) -> ReplayBuffer:
         policy = "task_end" if self.task_end else self.params.selection
@@ -154,14 +160,22 @@ class ERMethod(Method):
         super().setup(model, stream, train)
         self.buffer = self._new_buffer()
         self._batch_size = int(train.batch_size)
+        self.replay_augment.reset(train.augment)
 
     @property
     def replay_batch_size(self) -> int:
         return int(self.params.replay_batch_size or self._batch_size)
 
+    def _draw(self, k: int) -> list[ReplaySample]:
+        """k stored examples drawn for replay, their inputs augmented under ``train.augment`` (stored as drawn)."""
+        draws = self.buffer.sample(k)
+        if self.replay_augment.mode == "off":
+            return draws
+        return [replace(d, x=self.replay_augment(d.x)) for d in draws]
+
     def _replay_nll(self, model: nn.Module, k: int) -> Tensor | None:
         """(1/k) Σ_j ℓ(f_θ(x_j), y_j) over k stored examples (None while the buffer is empty)."""
-        return replay_nll(model, [(d.x, d.y, d.head) for d in self.buffer.sample(k)], self.likelihood, self.sigma)
+        return replay_nll(model, [(d.x, d.y, d.head) for d in self._draw(k)], self.likelihood, self.sigma)
 
     def loss(self, model: nn.Module, batch: Batch, task: Task) -> Tensor:
         """The minibatch's mean NLL plus α times the replayed examples' mean NLL (module docstring)."""
@@ -252,7 +266,7 @@ class DERPPMethod(ERMethod):
         loss = Method.loss(self, model, batch, task)
         k = self.replay_batch_size
         if self.params.alpha > 0:
-            draws = self.buffer.sample(k)
+            draws = self._draw(k)
             n = sum(int(d.y.shape[0]) for d in draws)
             for d in draws:
                 assert d.targets is not None
