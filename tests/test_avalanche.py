@@ -276,6 +276,8 @@ def test_plugin_argument_errors(av):
         av.MethodPlugin("none", grad_clip=0.0)
     with pytest.raises(ValueError, match="scenario"):
         av.MethodPlugin("none", scenario="banana")
+    with pytest.raises(ValueError, match="train.augment.*transforms"):  # the library loop's option, not a plugin's
+        av.MethodPlugin("derpp", train=TrainConfig(epochs=1, batch_size=4, augment="crop_flip"))
     with pytest.raises(ValueError, match="params"):
         av.MethodPlugin(build_method("none"), {"lr": 1.0})
     with pytest.raises(ValueError, match="not in this family"):

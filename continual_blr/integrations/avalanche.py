@@ -372,6 +372,9 @@ class MethodPlugin(SupervisedPlugin):
             raise ValueError("grad_clip: pass it inside train (TrainConfig.grad_clip) when train is given")
         if grad_clip is not None and not grad_clip > 0:
             raise ValueError(f"grad_clip: must be > 0 or None, got {grad_clip}")
+        if train is not None and train.augment != "off":
+            raise ValueError(f"train.augment: got {train.augment!r}, but a plugin trains on Avalanche's minibatches; "
+                             "augment them with the benchmark's train transforms; allowed here: 'off'")
         self.train_config = train
         self.grad_clip = grad_clip
         self.fresh_optimizer = fresh_optimizer
