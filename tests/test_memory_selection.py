@@ -23,7 +23,7 @@ from continual_blr.curvature import curvature
 from continual_blr.curvature.prediction_covariance import diag_prediction_covariance, ggn_diag_and_sensitivity
 from continual_blr.data.stream import Task
 from continual_blr.memory import SELECTIONS, _strata_order, select_per_class, selection_scores, share_budget
-from continual_blr.methods import build_method
+from continual_blr.methods import TrainConfig, build_method
 from continual_blr.methods.fromp import FROMPParams
 from continual_blr.models import MLP
 from continual_blr.methods.replay import DERPPParams, ERParams
@@ -214,7 +214,7 @@ def test_er_and_derpp_task_end_buffers_share_the_budget_and_keep_prefixes():
         method = build_method(name, {"memory_size": 10, "selection": "stratified"}, seed=0)
         torch.manual_seed(4)
         model = MLP(4, (6,), 4, n_heads=1).to(DT)
-        method.setup(model, None, type("T", (), {"batch_size": 8})())
+        method.setup(model, None, TrainConfig(batch_size=8))
         t0, t1 = _task(0, (0, 1)), _task(1, (2, 3))
         method.after_step(model, Batch(t0.x_train[:8], t0.y_train[:8], 0), t0)
         assert method.buffer.size == 0
