@@ -4,6 +4,7 @@ Run:
 
     python benchmarks/side_by_side.py --status                 # every row: current, or which code changed
     python benchmarks/side_by_side.py                          # probe every stale row; declare the equal ones
+    python benchmarks/side_by_side.py --data-dir DIR           # the probes' data root (default $CONTINUAL_BLR_DATA)
     python benchmarks/side_by_side.py --backfill f181ee3       # fingerprint records made before fingerprints
 
 A record is current while its config and the code it executed are unchanged (``records.currency``). When executed
@@ -274,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-root", default=str(ROOT), help="the library to check the records against (default: this "
                     "checkout; another folder holding continual_blr/ and configs/, e.g. to time a planted change)")
     ap.add_argument("--dry-run", action="store_true", help="say what would be carried over; write nothing")
+    ap.add_argument("--data-dir", default=os.environ.get("CONTINUAL_BLR_DATA"),
+                    help="data root for the probes (default: $CONTINUAL_BLR_DATA, else each record's own)")
     ap.add_argument("--probe", nargs=argparse.REMAINDER, default=None,
                     help="arguments for probe.py (e.g. --probe --train 256 --test 128); must come last")
     args = ap.parse_args(argv)
@@ -297,14 +300,44 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{folder} {method}: {said}", flush=True)
         else:
             todo.setdefault(old, []).append((folder, method, paths, record, changed))
+    check_data([paths[0] for group in todo.values() for _, _, paths, _, _ in group], args.data_dir)
+    extra = (["--data-dir", args.data_dir] if args.data_dir else []) + (args.probe or [])
     for old, group in todo.items():  # one probe process per library and kernel path for all rows of that library
         verdicts = compare([(paths[0], changed) for _, _, paths, _, changed in group], old, new_root,
-                           extra=args.probe)
+                           extra=extra)
         for (folder, method, paths, record, changed), verdict in zip(group, verdicts):
             said = settle(records_dir, folder, method, paths, record, changed, verdict, new_root, not args.dry_run)
             bad += said.startswith("stale")
             print(f"{folder} {method}: {said}", flush=True)
     return 1 if bad else 0
+
+
+def check_data(records: list[Path], data_dir: str | None) -> None:
+    """Refuse in one line, before any probe, when a stale row's dataset is not on this machine: the probes of
+    one library run in one process, so a missing MNIST would otherwise end a carry-over minutes in, with a
+    traceback.
+
+    Raises:
+        SystemExit: naming the record, the data root looked in and how to give one.
+    """
+    import probe as probe_script
+    from continual_blr.config import RunConfig, from_dict
+    from continual_blr.data.paths import DataNotFoundError
+    from continual_blr.runner import build_stream
+
+    seen: set[tuple[str, str]] = set()
+    for path in records:
+        cfg = probe_script.run_config_of(json.loads(path.read_text()), ROOT, from_dict, RunConfig)
+        cfg.stream.data_dir = data_dir or cfg.stream.data_dir
+        key = (cfg.stream.name, str(cfg.stream.data_dir))
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            build_stream(cfg)
+        except DataNotFoundError as err:
+            raise SystemExit(f"side_by_side: {path.name} needs {cfg.stream.name}: {err}; give --data-dir or set "
+                             "CONTINUAL_BLR_DATA") from None
 
 
 if __name__ == "__main__":

@@ -222,3 +222,30 @@ def test_the_epoch_gated_trace_sees_what_a_full_trace_sees(tmp_path):
             run_config(cfg, save=False, on_epoch=ex.epoch_hook(4) if gated else None)
         got[gated] = ex.entries()
     assert got[True] == got[False] and len(got[True]) > 50
+
+
+def test_side_by_side_refuses_a_missing_dataset_before_any_probe(made, tmp_path, monkeypatch):
+    """A stale split-MNIST row with no MNIST under the data root: ``main`` stops in one line naming the record and
+    ``--data-dir`` before the first probe (which used to end a carry-over minutes in, with a traceback); a
+    split-digits row (embedded data) passes the same check."""
+    _, recs = made
+    empty = tmp_path / "no_data"
+    empty.mkdir()
+    rec = json.loads(json.dumps(recs["none"]))
+    rec["config"]["stream"] |= {"name": "split_mnist", "data_dir": str(empty), "options": {"download": False}}
+    records_dir = tmp_path / "records"
+    path = _record_file(records_dir, rec)
+    sbs = _side_by_side()
+    sbs.check_data([_record_file(tmp_path / "digits", recs["ewc"])], None)  # embedded data: no exit
+    monkeypatch.setattr(sbs, "stale_row", lambda *a, **k: ("", rec, ["continual_blr/loop.py::x"], tmp_path))
+
+    def probed(*a, **k):
+        raise AssertionError("a probe ran before the data check")
+
+    monkeypatch.setattr(sbs, "compare", probed)
+    monkeypatch.delenv("CONTINUAL_BLR_DATA", raising=False)
+    with pytest.raises(SystemExit) as err:
+        sbs.main(["--records-dir", str(records_dir), "--worktrees", str(tmp_path / "wt")])
+    msg = str(err.value)
+    assert "\n" not in msg and path.name in msg and "split_mnist" in msg and "--data-dir" in msg, msg
+    assert str(empty) in msg, msg
