@@ -265,6 +265,34 @@ def backfill(records_dir: Path, commit: str, worktrees: Path, extra: list[str] |
         print(f"{folder} {method}: {len(todo)} records fingerprinted ({len(got['fingerprint'])} entries)")
 
 
+def check_data(records: list[Path], data_dir: str | None) -> None:
+    """Refuse in one line, before any probe, when a stale row's dataset is not on this machine: the probes of
+    one library run in one process, so a missing MNIST would otherwise end a carry-over minutes in, with a
+    traceback.
+
+    Raises:
+        SystemExit: naming the record, the data root looked in and how to give one.
+    """
+    import probe as probe_script
+    from continual_blr.config import RunConfig, from_dict
+    from continual_blr.data.paths import DataNotFoundError
+    from continual_blr.runner import build_stream
+
+    seen: set[tuple[str, str]] = set()
+    for path in records:
+        cfg = probe_script.run_config_of(json.loads(path.read_text()), ROOT, from_dict, RunConfig)
+        cfg.stream.data_dir = data_dir or cfg.stream.data_dir
+        key = (cfg.stream.name, str(cfg.stream.data_dir))
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            build_stream(cfg)
+        except DataNotFoundError as err:
+            raise SystemExit(f"side_by_side: {path.name} needs {cfg.stream.name}: {err}; give --data-dir or set "
+                             "CONTINUAL_BLR_DATA") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--records-dir", default=str(run_records.RECORDS_DIR))
@@ -310,34 +338,6 @@ def main(argv: list[str] | None = None) -> int:
             bad += said.startswith("stale")
             print(f"{folder} {method}: {said}", flush=True)
     return 1 if bad else 0
-
-
-def check_data(records: list[Path], data_dir: str | None) -> None:
-    """Refuse in one line, before any probe, when a stale row's dataset is not on this machine: the probes of
-    one library run in one process, so a missing MNIST would otherwise end a carry-over minutes in, with a
-    traceback.
-
-    Raises:
-        SystemExit: naming the record, the data root looked in and how to give one.
-    """
-    import probe as probe_script
-    from continual_blr.config import RunConfig, from_dict
-    from continual_blr.data.paths import DataNotFoundError
-    from continual_blr.runner import build_stream
-
-    seen: set[tuple[str, str]] = set()
-    for path in records:
-        cfg = probe_script.run_config_of(json.loads(path.read_text()), ROOT, from_dict, RunConfig)
-        cfg.stream.data_dir = data_dir or cfg.stream.data_dir
-        key = (cfg.stream.name, str(cfg.stream.data_dir))
-        if key in seen:
-            continue
-        seen.add(key)
-        try:
-            build_stream(cfg)
-        except DataNotFoundError as err:
-            raise SystemExit(f"side_by_side: {path.name} needs {cfg.stream.name}: {err}; give --data-dir or set "
-                             "CONTINUAL_BLR_DATA") from None
 
 
 if __name__ == "__main__":
