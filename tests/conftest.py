@@ -5,6 +5,11 @@ import os
 import pytest
 import torch
 
+# Under pytest-xdist (`-n N`) each worker gets an equal share of the cores, so that N workers do not each start
+# one torch thread per core and oversubscribe the machine (set once per worker process, before any test runs).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 # Named tolerance tiers (see STYLE.md): exact float64 maths, and Monte-Carlo estimates.
 EXACT = dict(rtol=1e-8, atol=1e-10)
 EXACT32 = dict(rtol=1e-4, atol=1e-6)
