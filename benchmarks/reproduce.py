@@ -76,8 +76,8 @@ REFERENCES: dict[tuple[str, str, str], tuple[float, str]] = {
     ("split_mnist", "class", "fromp-classes-all"): (33.4, "FROMP code run by others, class-incremental"),
     ("split_cifar10/resnet18", "task", "none"): (69.53, "fine-tuning, van de Ven 2025 (30 seeds, ± 1.34 s.e.)"),
     ("split_cifar10/resnet18", "task", "ewc"): (84.91, "EWC exact Fisher, van de Ven 2025 (30 seeds, ± 0.65 s.e.)"),
-    ("split_cifar10/resnet18/bf16", "task", "none_warmup40"): (69.53, "fine-tuning, van de Ven 2025 (30 seeds, ± 1.34 s.e.)"),
-    ("split_cifar10/resnet18/bf16", "task", "ewc_warmup40"): (84.91, "EWC exact Fisher, van de Ven 2025 (30 seeds, ± 0.65 s.e.)"),
+    ("split_cifar10/resnet18/bf16", "task", "none_warmup40"): (69.53, "fine-tuning, van de Ven 2025, without the warm-up (30 seeds, ± 1.34 s.e.)"),
+    ("split_cifar10/resnet18/bf16", "task", "ewc_warmup40"): (84.91, "EWC exact Fisher, van de Ven 2025, without the warm-up (30 seeds, ± 0.65 s.e.)"),
 }
 # Canonical row order of the tables; methods not listed follow in alphabetical order.
 METHOD_ORDER = ["fromp-replay", "fromp-replay_m500", "derpp", "derpp_m500", "er", "er_m500", "fromp", "frorp", "fromp-l2", "fromp-full", "fromp-kron", "fromp-classes-all", "ewc", "laplace", "vcl", "vcl_no_coreset", "vcl_vogn", "vcl_vogn_coreset", "blr", "blr_price", "ivon",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 tomllib = pytest.importorskip("tomllib")
-from packaging.requirements import Requirement  # noqa: E402 (pip's own dependency, installed with every venv)
+from packaging.requirements import Requirement  # noqa: E402 (pytest's own dependency, pinned in constraints.txt)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,6 +27,7 @@ def _pins() -> dict[str, str]:
         if line:
             name, _, version = line.partition("==")
             assert version, f"constraints.txt: {line!r} is not a pin (name==version)"
+            assert _norm(name) not in pins, f"constraints.txt: {name} is pinned twice"
             pins[_norm(name)] = version
     return pins
 
@@ -48,6 +49,6 @@ def test_every_requirement_is_pinned_at_an_allowed_version():
 
 
 def test_the_test_environment_has_the_pinned_versions():
-    pins = _pins()
-    for req in _requirements()["dependencies"] + _requirements()["test"]:
+    pins, groups = _pins(), _requirements()
+    for req in groups["dependencies"] + groups["test"]:
         assert metadata.version(req.name) == pins[_norm(req.name)], req.name
