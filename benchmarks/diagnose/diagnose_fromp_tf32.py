@@ -1,7 +1,7 @@
 """How much do TF32 convolutions move FROMP's kernels on a memorised CifarNet? (issue 43, CPU emulation)
 
 On a lent GPU, FROMP on FROMP's CifarNet protocol blew up in task 2 or 3 in 5 of 13 runs
-(``benchmarks/device/README.md``); in the run whose log kept them, the Cholesky factorisation of a kernel needed
+(``benchmarks/device/LOG.md``); in the run whose log kept them, the Cholesky factorisation of a kernel needed
 jitters of 10⁻³, 10⁻² and 10⁻¹ instead of 10⁻⁶, so the kernel it factorised had eigenvalues ≤ −10⁻² — impossible for
 the exact K = J Σ Jᵀ, which is positive semi-definite. PyTorch runs fp32 convolutions in TF32 on such GPUs by default
 (operands rounded to 11 significant bits, unit roundoff u = 2⁻¹¹); the CPU never does, and no CPU run diverged.
