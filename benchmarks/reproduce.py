@@ -429,8 +429,9 @@ def write_report(benchmark: str, scenario: str, records: dict[str, list[dict]], 
     origin = "" if getattr(args, "keep", False) else (
         " Generated from the run records under `benchmarks/records/` alone (`python benchmarks/tables.py`). The "
         "last two columns name the library version(s) (hash of `continual_blr/`) and commit(s) a row's records "
-        "ran on; a record is reused only while its library hash is the current one (`benchmarks/records.py`; "
-        "`python benchmarks/tables.py --status` lists stale records).")
+        "ran on; a record is reused while its config and every library function it executed are unchanged, or "
+        "were checked equal side by side (`benchmarks/records.py`; `python benchmarks/tables.py --status` lists "
+        "stale records).")
     lines += [f"Produced by (runs stored as records, resumable):{origin}", "", "```", *commands, "```", ""]
     if kept:
         lines += [f"Rows kept from the previous version of this report (their runs are not stored where it was "

@@ -393,7 +393,8 @@ def report(records: Records, seeds: list[int], validation: float = 0.0,
         "",
         f"{n_runs} runs, {'/'.join(map(str, threads))} torch thread(s) each, on a shared 2-core CPU; CPU / run is the "
         "process's own CPU time. library: the hash of `continual_blr/` a row's records ran on (`benchmarks/records.py`; "
-        "a record is reused only while it is the current one); commits: the checkouts they ran in.",
+        "a record is reused while its config and every library function it executed are unchanged); commits: the "
+        "checkouts they ran in.",
         "",
         "How the params were chosen. l2, ewc, ewc (online), laplace (kron), laplace (diag): the strength (λ or the "
         "temperature T) per scenario on *validation* data — 0.1 of each task's training data held out, seeds 0-4, "
