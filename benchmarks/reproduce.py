@@ -78,6 +78,8 @@ REFERENCES: dict[tuple[str, str, str], tuple[float, str]] = {
     ("split_cifar10/resnet18", "task", "ewc"): (84.91, "EWC exact Fisher, van de Ven 2025 (30 seeds, ± 0.65 s.e.)"),
     ("split_cifar10/resnet18/bf16", "task", "none_warmup40"): (69.53, "fine-tuning, van de Ven 2025, without the warm-up (30 seeds, ± 1.34 s.e.)"),
     ("split_cifar10/resnet18/bf16", "task", "ewc_warmup40"): (84.91, "EWC exact Fisher, van de Ven 2025, without the warm-up (30 seeds, ± 0.65 s.e.)"),
+    ("split_cifar10/resnet18/bf16", "class", "derpp"): (64.88, "DER++ at M = 200, Buzzega et al. 2020 Table 2 (full ResNet-18, 50 SGD epochs, crop + flip; not our network or budget)"),
+    ("split_cifar10/resnet18/bf16", "class", "er"): (44.79, "ER at M = 200, Buzzega et al. 2020 Table 2 (full ResNet-18, 50 SGD epochs, crop + flip; not our network or budget)"),
 }
 # Canonical row order of the tables; methods not listed follow in alphabetical order.
 METHOD_ORDER = ["fromp-replay", "fromp-replay_m500", "derpp", "derpp_m500", "er", "er_m500", "fromp", "frorp", "fromp-l2", "fromp-full", "fromp-kron", "fromp-classes-all", "ewc", "laplace", "vcl", "vcl_no_coreset", "vcl_vogn", "vcl_vogn_coreset", "blr", "blr_price", "ivon",
