@@ -69,7 +69,7 @@ README_ROWS = [("split MNIST, task-incr.", "split_mnist/task/full", "99.3"),
                ("split CIFAR-10, CifarNet (GPU)", "split_cifar10/task/full", "-"),
                ("split CIFAR-10, CifarNet (CPU, bf16)", "split_cifar10/bf16/task/full", "-"),
                ("split CIFAR-10, reduced ResNet-18 (GPU)", "split_cifar10/resnet18/task/full", "-")]
-README_COLUMNS = [("FROMP", ("fromp", "fromp_penalty_bf16")), ("FRORP", ("frorp",)), ("EWC", ("ewc",)), ("Laplace (K-FAC)", ("laplace",)),
+README_COLUMNS = [("FROMP", ("fromp", "fromp_penalty_bf16")), ("FROMP, remedy", ("fromp_remedy",)), ("FRORP", ("frorp",)), ("EWC", ("ewc",)), ("Laplace (K-FAC)", ("laplace",)),
                   ("VCL", ("vcl_vogn_coreset", "vcl")), ("BLR", ("blr",)), ("IVON", ("ivon",)), ("none", ("none",))]
 
 
@@ -94,7 +94,8 @@ def readme_table(records_dir: Path) -> str:
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {published} |")
     lines += ["", "† some of the cell's records are stale: code they executed, or their config, changed since "
               "(`python benchmarks/tables.py --status`). The VCL cell of split MNIST is `vcl_vogn_coreset`; the FROMP cell of "
-              "the CPU bf16 row is `fromp_penalty_bf16` (the memorable points' forward in bf16 too).", "",
+              "the CPU bf16 row is `fromp_penalty_bf16` (the memorable points' forward in bf16 too); \"FROMP, remedy\" is "
+              "`fromp_remedy` (logit outputs with context points, chosen on validation: docs/fromp.md).", "",
               README_END]
     return "\n".join(lines)
 
