@@ -75,7 +75,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
-_RESUME_KEEPS = ("device", "data_dir", "threads", "no_progress", "tensorboard", "log_loo")
+_RESUME_KEEPS = ("device", "data_dir", "threads", "no_progress", "tensorboard", "log_loo", "checkpoint_every")
 _RESUME_REFUSES = {"config": "CONFIG", "method": "--method", "seed": "--seed", "seeds": "--seeds", "out": "--out",
                    "epochs": "--epochs", "validation": "--validation", "quick": "--quick", "overwrite": "--overwrite",
                    "scenario": "--scenario",
@@ -337,6 +337,11 @@ def _check_flags(args: argparse.Namespace) -> str | None:
         return "--overwrite: needs --out DIR (runs without --out always get a new folder)"
     if args.log_loo and args.seeds is not None:
         return "--log-loo: logs a single run; drop --seeds (or run each seed with --seed S --log-loo)"
+    if args.checkpoint_every is not None and not args.checkpoint_every >= 0:
+        return f"--checkpoint-every: got {args.checkpoint_every:g}; allowed: seconds >= 0 (0: after every epoch)"
+    if args.checkpoint_every is not None and args.seeds is not None:
+        return ("--checkpoint-every: sets a single run's mid-task checkpoints; drop --seeds (or run each seed with "
+                "--seed S)")
     if args.tensorboard:
         from .run_logs import tensorboard_available
 
@@ -348,7 +353,7 @@ def _check_flags(args: argparse.Namespace) -> str | None:
                  if getattr(args, key) or (key == "channels_last" and args.channels_last is not None)]
         if given:
             return (f"--resume: continues the run as it was configured; drop {given[0]} (allowed with --resume: "
-                    "--device, --data-dir, --threads, --no-progress, --tensorboard, --log-loo)")
+                    "--device, --data-dir, --threads, --no-progress, --tensorboard, --log-loo, --checkpoint-every)")
     return None
 
 
@@ -412,8 +417,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 with lock:
                     return _run_sweep(cfg, seeds, args)
             with lock:
+                every = {} if args.checkpoint_every is None else {"checkpoint_every": args.checkpoint_every}
                 results = run_config(cfg, overwrite=args.overwrite, resume=args.resume is not None,
-                                     tensorboard=args.tensorboard, log_loo=args.log_loo)
+                                     tensorboard=args.tensorboard, log_loo=args.log_loo, **every)
     except RunInterrupted as stop:
         print(f"continual-blr: interrupted: {stop.summary()}; kept in {stop.out}; resume with: "
               f"continual-blr run --resume {stop.out}", file=sys.stderr)
@@ -564,6 +570,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="at every task end also log the leave-one-out estimate of each seen task's test NLL and "
                           "accuracy from its training data, beside the measured ones, to RUN/<method>/"
                           "generalisation.csv (one covariance and one scoring pass per task end; docs/inspect.md)")
+    run.add_argument("--checkpoint-every", type=float, metavar="SECONDS",
+                     help="write a mid-task checkpoint after an epoch once SECONDS have passed since the method's "
+                          "last checkpoint (default 300; 0: after every epoch), so that a killed run resumes inside "
+                          "its task; it changes no result (docs/runs.md)")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
     run.add_argument("--import", dest="imports", action="append", metavar="MODULE",
                      help="a module (name or .py path) that registers methods of your own (repeatable; recorded "

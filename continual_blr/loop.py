@@ -27,6 +27,7 @@ is a choice of the loop that every method sees the same way:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -49,8 +50,8 @@ from .mixed_precision import autocast_dtype, match_input_format, to_channels_las
 from .optim.blr import BatchClosure, BayesianLearningRule
 from .types import Batch, DivergenceError
 
-__all__ = ["StreamResult", "LoopProgress", "DivergenceError", "run_stream", "fit_task", "train_step", "evaluate_task",
-           "stream_metrics"]
+__all__ = ["StreamResult", "LoopProgress", "TaskProgress", "DivergenceError", "run_stream", "fit_task", "train_step",
+           "evaluate_task", "stream_metrics"]
 
 EpochHook = Callable[[int, int, float], None]
 """``on_epoch(task_index, epoch, mean_training_loss)``, called after every epoch of :func:`fit_task`."""
@@ -118,6 +119,39 @@ class LoopProgress:
     torch_rng_state: Tensor | None = None
     cuda_rng_state: Tensor | None = None
     norm_statistics: dict[str, Any] | None = None
+
+
+@dataclass
+class TaskProgress:
+    """Where :func:`fit_task` stands inside a task after a finished epoch: with the model's and the method's state
+    at that point (which the caller saves beside it), enough to continue the task exactly. A run that is stopped
+    mid-task then loses at most the epoch under way, not the whole task.
+
+    The task's start is not saved: on resume it is replayed from the boundary before the task (the method's
+    ``on_task_start`` and ``make_optimizer``, which are deterministic functions of that state), and the saved
+    state is then loaded over it, so that whatever the task's start builds and never changes (FROMP's kernels, a
+    redrawn initialisation) is rebuilt exactly. ``tests/test_resume.py`` checks the result bit for bit for every
+    method.
+
+    Attributes:
+        task: index in the stream of the task under way (``LoopProgress.next_task`` of the boundary before it).
+        epochs_done: epochs of the task finished (0-based, the next epoch to train).
+        optimizer: the task's optimiser's ``state_dict`` (the one ``method.make_optimizer`` returned).
+        warmup_done: steps of ``train.warmup_steps`` taken so far in the task (0 without a warm-up).
+        generator_state: the minibatch-order generator after the epoch.
+        torch_rng_state: torch's global CPU generator after the epoch (dropout masks).
+        cuda_rng_state: the CUDA generator of the model's device after the epoch (CUDA runs only).
+        seconds: training seconds of the task so far (for ``task_times``).
+    """
+
+    task: int
+    epochs_done: int
+    optimizer: dict[str, Any]
+    warmup_done: int
+    generator_state: Tensor
+    torch_rng_state: Tensor
+    cuda_rng_state: Tensor | None = None
+    seconds: float = 0.0
 
 
 def stream_metrics(acc: list[list[float]]) -> dict[str, Any]:
@@ -326,6 +360,8 @@ def fit_task(
     norm_statistics: NormStatistics | None = None,
     end_task: bool = True,
     leave_out: Tensor | None = None,
+    resume: tuple[TaskProgress, Callable[[nn.Module, Method], None]] | None = None,
+    checkpoint: Callable[[Callable[[], TaskProgress]], None] | None = None,
 ) -> float:
     """Train ``model`` on ``task`` with ``method``; returns the mean training loss of the last epoch.
 
@@ -343,6 +379,13 @@ def fit_task(
     augmented from ``generator`` (:mod:`continual_blr.data.augment`), and ``method.after_step`` (replay buffers)
     sees the minibatch as drawn.
 
+    Mid-task checkpoints (:class:`TaskProgress`). ``checkpoint(make)`` (optional) is called after every epoch but the
+    last, once ``on_epoch`` has been; ``make()`` returns the task's progress at that point (the caller saves it
+    with the model's and the method's state, when it chooses to). ``resume = (progress, restore)`` continues the
+    task from such a point: the task's start runs as usual, then ``restore(model, method)`` loads the saved model
+    and method state, the optimiser and the generators take the saved states, and training goes on with epoch
+    ``progress.epochs_done``: the result equals the uninterrupted task's bit for bit (CPU).
+
     Raises:
         DivergenceError: an epoch's mean training loss is not finite (checked once per epoch).
         ValueError: ``train.compile`` with a Bayesian-learning-rule optimiser; ``train.augment`` on a task whose
@@ -356,10 +399,30 @@ def fit_task(
                          "rule (per-example gradients under torch.func); allowed: 'off'")
     tasks = method.train_tasks(task, seen)
     frozen = [m for _, m in norm_layers(model)] if train.batchnorm == "frozen" and len(seen) > 1 else []
+    first, warmup_done, seconds = 0, 0, 0.0
+    if resume is not None:  # the task's start has run as it did: now its state after the saved epoch
+        state, restore = resume
+        restore(model, method)
+        optimizer.load_state_dict(state.optimizer)
+        _set_generators(generator, state.generator_state, state.torch_rng_state, state.cuda_rng_state, model)
+        first, warmup_done, seconds = state.epochs_done, state.warmup_done, state.seconds
+    t0 = time.perf_counter()
+
+    def after_epoch(epochs_done: int, warmup_steps_done: int) -> None:
+        if checkpoint is None or epochs_done >= train.epochs:  # the last epoch ends at the task's boundary
+            return
+        cuda = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
+        checkpoint(lambda: TaskProgress(-1, epochs_done, optimizer.state_dict(), warmup_steps_done,
+                                        generator.get_state(), torch.get_rng_state(),
+                                        torch.cuda.get_rng_state(cuda) if cuda is not None else None,
+                                        seconds + time.perf_counter() - t0))
+
     last = math.nan
-    bar = tqdm(range(train.epochs), desc=f"task {task.task_id}", leave=False, disable=None if progress else True)
+    bar = tqdm(range(first, train.epochs), desc=f"task {task.task_id}", leave=False, disable=None if progress else True,
+               initial=first, total=train.epochs)
     with compiled_forward(model, train.compile):  # the minibatches only: the task's end runs eagerly
-        last = _epochs(model, task, method, train, optimizer, tasks, bar, frozen, generator, leave_out, on_epoch)
+        last = _epochs(model, task, method, train, optimizer, tasks, bar, frozen, generator, leave_out, on_epoch,
+                       warmup_done, after_epoch)
     if norm_statistics is not None:
         norm_statistics.save(model, task.task_id)
     if end_task:
@@ -367,13 +430,28 @@ def fit_task(
     return last
 
 
+def _set_generators(generator: torch.Generator, state: Tensor, torch_state: Tensor, cuda_state: Tensor | None,
+                    model: nn.Module) -> None:
+    """The loop's minibatch-order generator and torch's global ones (dropout) back to saved states."""
+    generator.set_state(state)
+    torch.set_rng_state(torch_state)
+    cuda = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
+    if cuda_state is not None and cuda is not None:
+        torch.cuda.set_rng_state(cuda_state, cuda)
+
+
 def _epochs(model: nn.Module, task: Task, method: Method, train: TrainConfig, optimizer: torch.optim.Optimizer,
             tasks: list[Task], bar: Any, frozen: list[nn.Module], generator: torch.Generator,
-            leave_out: Tensor | None, on_epoch: Callable[[int, float], None] | None) -> float:
-    """:func:`fit_task`'s epochs over ``task`` (and the tasks ``method.train_tasks`` adds); the last epoch's mean
-    training loss."""
+            leave_out: Tensor | None, on_epoch: Callable[[int, float], None] | None, warmup_done: int = 0,
+            after_epoch: Callable[[int, int], None] | None = None) -> float:
+    """:func:`fit_task`'s epochs over ``task`` (and the tasks ``method.train_tasks`` adds), from the epoch ``bar``
+    starts at; the last epoch's mean training loss. ``warmup_done``: warm-up steps already taken in the task (a
+    resumed task). ``after_epoch(epochs_done, warmup_steps_done)`` is called after every epoch, after
+    ``on_epoch``."""
     last = math.nan
     warmup = _Warmup(optimizer, train.warmup_steps) if train.warmup_steps else None
+    if warmup is not None:
+        warmup.done = warmup_done
     for epoch in bar:
         total, n = 0.0, 0  # summed on the loss's device: no host synchronisation per step
         for t, batch in _batches(tasks, train.batch_size, generator,
@@ -399,6 +477,8 @@ def _epochs(model: nn.Module, task: Task, method: Method, train: TrainConfig, op
         bar.set_postfix(loss=f"{last:.4f}")
         if on_epoch is not None:
             on_epoch(epoch, last)
+        if after_epoch is not None:
+            after_epoch(epoch + 1, 0 if warmup is None else warmup.done)
     return last
 
 
@@ -454,6 +534,8 @@ def run_stream(
     restore: Callable[[nn.Module, Method], None] | None = None,
     on_task_end: Callable[[LoopProgress, nn.Module, Method], None] | None = None,
     on_epoch: EpochHook | None = None,
+    resume_task: tuple[TaskProgress, Callable[[nn.Module, Method], None]] | None = None,
+    on_epoch_state: Callable[[Callable[[], TaskProgress], nn.Module, Method], None] | None = None,
 ) -> StreamResult:
     """Train ``method`` over ``stream`` task by task and evaluate on every task seen so far.
 
@@ -476,6 +558,11 @@ def run_stream(
         restore: ``restore(model, method)``, called after ``method.setup`` when resuming.
         on_task_end: ``on_task_end(progress, model, method)``, called after each task is trained and evaluated.
         on_epoch: ``on_epoch(task_index, epoch, mean_loss)``, called after every epoch.
+        resume_task: ``(progress, restore)``: continue the task ``progress.task`` (the first one this call trains:
+            ``resume.next_task``, or 0) from inside, after its epoch ``progress.epochs_done`` (:func:`fit_task`);
+            ``restore(model, method)`` loads the model and method state saved with ``progress``.
+        on_epoch_state: ``on_epoch_state(make, model, method)``, called after every epoch but a task's last, where
+            ``make()`` gives the :class:`TaskProgress` to save with the model and method for a mid-task resume.
 
     Returns:
         A :class:`StreamResult` with the accuracy matrix and its summary metrics.
@@ -488,11 +575,11 @@ def run_stream(
         torch.manual_seed(seed)
         return _run_stream(model, stream, method, train, seed=seed, device=device, progress=progress,
                            config=config, resume=resume, restore=restore, on_task_end=on_task_end,
-                           on_epoch=on_epoch)
+                           on_epoch=on_epoch, resume_task=resume_task, on_epoch_state=on_epoch_state)
 
 
 def _run_stream(model, stream, method, train, *, seed, device, progress, config, resume, restore, on_task_end,
-                on_epoch) -> StreamResult:
+                on_epoch, resume_task=None, on_epoch_state=None) -> StreamResult:
     """The body of :func:`run_stream`, run inside its forked global RNG state."""
     model.to(device)
     distributed.broadcast_module(model)  # under torchrun every rank starts from rank 0's weights
@@ -531,9 +618,12 @@ def _run_stream(model, stream, method, train, *, seed, device, progress, config,
         task = tasks[i]
         t0 = time.perf_counter()
         epoch_hook = None if on_epoch is None else (lambda epoch, loss, i=i: on_epoch(i, epoch, loss))
+        within = resume_task if resume_task is not None and resume_task[0].task == i == start else None
+        checkpoint = None if on_epoch_state is None else (
+            lambda make, i=i: on_epoch_state(lambda: dataclasses.replace(make(), task=i), model, method))
         losses.append(fit_task(model, task, method, train, seen=tasks[: i + 1], generator=generator, progress=progress,
-                               on_epoch=epoch_hook, norm_statistics=norm))
-        times.append(time.perf_counter() - t0)
+                               on_epoch=epoch_hook, norm_statistics=norm, resume=within, checkpoint=checkpoint))
+        times.append(time.perf_counter() - t0 + (within[0].seconds if within is not None else 0.0))
         for j in range(i + 1):
             with norm.use(model, tasks[j].task_id) if norm is not None else nullcontext():
                 acc[i][j] = evaluate_task(model, method, tasks[j], train.eval_batch_size)

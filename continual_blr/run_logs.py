@@ -10,7 +10,7 @@ Files (per method, see ``docs/runs.md``):
                                    seen task's test NLL from its training data, beside the measured one)
     <run>/tensorboard/<method>/    scalars train_loss/task<i>, accuracy/task<j>, avg_accuracy (with tensorboard=True)
 
-Tasks count from 0, as ``task_id`` elsewhere. On resume the rows of unfinished tasks are dropped
+Tasks count from 0, as ``task_id`` elsewhere. On resume the rows written after the checkpoint resumed from are dropped
 (:meth:`TrainingLog.trim`), so the logs of a resumed run equal an uninterrupted run's.
 """
 
@@ -58,9 +58,11 @@ class TrainingLog:
 
             self._tb = SummaryWriter(log_dir=str(folder.path / "tensorboard" / method))
 
-    def trim(self, next_task: int) -> None:
-        """Drop the rows of tasks ``>= next_task`` (written by an interrupted run before its checkpoint)."""
-        self.folder.trim_csv(f"{self.method}/{TRAIN_LOG}", lambda r: int(r["task"]) < next_task)
+    def trim(self, next_task: int, epochs_done: int = 0) -> None:
+        """Drop the rows an interrupted run wrote after the checkpoint it resumes from: of tasks ``>= next_task``,
+        except, for a mid-task checkpoint, task ``next_task``'s first ``epochs_done`` epochs."""
+        self.folder.trim_csv(f"{self.method}/{TRAIN_LOG}", lambda r: int(r["task"]) < next_task
+                             or (int(r["task"]) == next_task and int(r["epoch"]) <= epochs_done))
         self.folder.trim_csv(f"{self.method}/{ACCURACY_LOG}", lambda r: int(r["after_task"]) < next_task)
         self.folder.trim_csv(f"{self.method}/{GENERALISATION_LOG}", lambda r: int(r["after_task"]) < next_task)
 

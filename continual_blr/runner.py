@@ -14,6 +14,12 @@ Checkpoint (``<method>/checkpoint.pt``, a dict; ``torch.load(..., weights_only=T
 ``model`` (state_dict), ``method`` (the method's state_dict), ``generators`` (every ``torch.Generator``
 the method holds, by attribute path: method state_dicts leave them out) and ``optimizer`` (the state of
 an optimiser that lives across tasks, ``method.optimizer``, e.g. the BLR's).
+
+Mid-task checkpoint (``<method>/epoch_checkpoint.pt``, the same dict with ``progress`` a
+:class:`~continual_blr.loop.TaskProgress`): written after an epoch once ``checkpoint_every`` seconds have passed
+since the method's last checkpoint of either kind (by default 300; 0: after every epoch), removed when the task
+ends. A resume continues the unfinished task after that epoch, so a run stopped by a kill (no chance to save)
+loses at most ``checkpoint_every`` seconds and an epoch, not the task.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -31,7 +38,7 @@ from torch import nn
 from .config import RunConfig
 from .data import make_stream
 from .data.stream import TaskStream
-from .loop import EpochHook, LoopProgress, StreamResult, run_stream, stream_metrics
+from .loop import EpochHook, LoopProgress, StreamResult, TaskProgress, run_stream, stream_metrics
 from .methods import build_method
 from .methods.base import Method, TrainConfig
 from .models import build_model
@@ -46,6 +53,11 @@ __all__ = ["run_config", "boundary_checkpoint", "restore_checkpoint", "resolve_o
 
 QUICK_EPOCH_DIVISOR = 5
 RUNS_ROOT = "runs"
+EPOCH_CHECKPOINT = "epoch_checkpoint.pt"
+"""``<method>/epoch_checkpoint.pt``: the state inside the task under way after its last saved epoch (the boundary
+checkpoint's dict, with ``progress`` a :class:`~continual_blr.loop.TaskProgress`); removed when the task ends."""
+CHECKPOINT_EVERY_S = 300.0
+"""Default of ``run_config(checkpoint_every=...)``: the least seconds between two mid-task checkpoints of a method."""
 """Where runs without an ``out`` go: ``runs/<stream>-<methods>-<YYYYmmdd-HHMMSS>`` and ``runs/latest``."""
 
 
@@ -249,18 +261,29 @@ class _Writer:
 
     def checkpoint(self, name: str, progress: LoopProgress, model: nn.Module, method: Method,
                    unsaved: list[str] | None = None) -> None:
-        opt = getattr(method, "optimizer", None)
-        state = {
-            "format": 1,
-            "unsaved": list(unsaved or []),  # the method's attributes its state_dict leaves out (_own_unsaved)
-            "progress": dataclasses.asdict(progress),
-            "model": model.state_dict(),
-            "method": method.state_dict(),
-            "generators": generator_states(method),
-            "optimizer": opt.state_dict() if isinstance(opt, torch.optim.Optimizer) else None,
-        }
-        self.folder.save_torch(f"{name}/{CHECKPOINT}", state)
+        self.folder.save_torch(f"{name}/{CHECKPOINT}", _checkpoint_state(progress, model, method, unsaved))
         self.folder.keep_copy(f"{name}/{CHECKPOINT}", boundary_checkpoint(name, progress.next_task - 1))
+        self.folder.remove(f"{name}/{EPOCH_CHECKPOINT}")  # after the boundary: the task it continued has ended
+
+    def epoch_checkpoint(self, name: str, progress: TaskProgress, model: nn.Module, method: Method,
+                         unsaved: list[str] | None = None) -> None:
+        """``<name>/epoch_checkpoint.pt``: the boundary checkpoint's dict inside a task (:data:`EPOCH_CHECKPOINT`)."""
+        self.folder.save_torch(f"{name}/{EPOCH_CHECKPOINT}", _checkpoint_state(progress, model, method, unsaved))
+
+
+def _checkpoint_state(progress: LoopProgress | TaskProgress, model: nn.Module, method: Method,
+                      unsaved: list[str] | None) -> dict[str, Any]:
+    """The dict a checkpoint holds (module docstring)."""
+    opt = getattr(method, "optimizer", None)
+    return {
+        "format": 1,
+        "unsaved": list(unsaved or []),  # the method's attributes its state_dict leaves out (_own_unsaved)
+        "progress": dataclasses.asdict(progress),
+        "model": model.state_dict(),
+        "method": method.state_dict(),
+        "generators": generator_states(method),
+        "optimizer": opt.state_dict() if isinstance(opt, torch.optim.Optimizer) else None,
+    }
 
 
 def boundary_checkpoint(method: str, task: int) -> str:
@@ -359,7 +382,7 @@ def _epoch_hooks(*hooks: EpochHook | None) -> EpochHook | None:
 
 def run_config(cfg: RunConfig, save: bool = True, *, overwrite: bool = False, resume: bool = False,
                tensorboard: bool = False, on_epoch: EpochHook | None = None,
-               log_loo: bool = False) -> list[StreamResult]:
+               log_loo: bool = False, checkpoint_every: float | None = CHECKPOINT_EVERY_S) -> list[StreamResult]:
     """Run every method of ``cfg`` on its stream, keeping the run folder current.
 
     The folder is ``cfg.out`` under the overwrite policy of :func:`resolve_out` (a new time-stamped
@@ -379,6 +402,9 @@ def run_config(cfg: RunConfig, save: bool = True, *, overwrite: bool = False, re
             seen task's test NLL and accuracy from its training data, beside the measured ones
             (:func:`continual_blr.inspect.generalisation.generalisation_at_task_end`; one Σ and one scoring pass of
             the seen tasks' training data per task end). Off by default: it costs time and changes no result.
+        checkpoint_every: with ``save``, write a mid-task checkpoint (:data:`EPOCH_CHECKPOINT`) after an epoch once
+            this many seconds have passed since the method's last checkpoint (0: after every epoch; None: only at
+            task boundaries). It changes no result: a resume from it equals the uninterrupted run.
 
     Raises:
         RunExistsError: ``cfg.out`` holds a run and neither ``overwrite`` nor ``resume``.
@@ -386,6 +412,8 @@ def run_config(cfg: RunConfig, save: bool = True, *, overwrite: bool = False, re
             stopped the run; everything finished is on disk.
     """
     check_runnable(cfg)
+    if checkpoint_every is not None and not (isinstance(checkpoint_every, (int, float)) and checkpoint_every >= 0):
+        raise ValueError(f"checkpoint_every: got {checkpoint_every!r}; allowed: seconds >= 0, or None")
     if save and not resume and cfg.out is not None:
         check_out_dir(cfg.out, overwrite=overwrite)  # before the data load: fail fast
     stream = build_stream(cfg)
@@ -408,7 +436,16 @@ def run_config(cfg: RunConfig, save: bool = True, *, overwrite: bool = False, re
 
     states = {mc.name: _load_checkpoint(folder.path / mc.name / CHECKPOINT) for mc in cfg.methods
               if save and resume and not finished(mc.name) and (folder.path / mc.name / CHECKPOINT).is_file()}
-    for name, state in states.items():  # a resume without the method's carried state would diverge silently
+    # a mid-task checkpoint continues the task after the boundary checkpoint's (or the first task, without one)
+    within = {}
+    for mc in cfg.methods:
+        path = folder.path / mc.name / EPOCH_CHECKPOINT
+        if save and resume and not finished(mc.name) and path.is_file():
+            state = _load_checkpoint(path)
+            boundary = states[mc.name]["progress"]["next_task"] if mc.name in states else 0
+            if state["progress"].get("task") == boundary:
+                within[mc.name] = state
+    for name, state in [*states.items(), *within.items()]:  # a resume without the carried state would diverge
         if state.get("unsaved"):
             raise ValueError(f"resume: method {name!r} carries state its state_dict does not save "
                              f"({', '.join(state['unsaved'])}); define state_dict / load_state_dict "
@@ -425,13 +462,17 @@ def run_config(cfg: RunConfig, save: bool = True, *, overwrite: bool = False, re
             model = build_model(cfg.model.arch, stream.input_shape, stream.n_outputs, stream.n_heads,
                                 hidden=tuple(cfg.model.hidden), generator=torch.Generator().manual_seed(cfg.seed))
             record = cfg.to_dict() | {"method": dataclasses.asdict(mc), "train_used": dataclasses.asdict(train)}
-            start, restore = None, None
+            start, restore, resume_task = None, None, None
             state = states.pop(mc.name, None)
             if state is not None:
                 start, restore = LoopProgress(**state["progress"]), _restore(state)
+            mid = within.pop(mc.name, None)
+            if mid is not None:
+                resume_task = (TaskProgress(**mid["progress"]), _restore(mid))
             log = TrainingLog(folder, mc.name, tensorboard) if save else None
             if log is not None:
-                log.trim(start.next_task if start is not None else 0)
+                log.trim(start.next_task if start is not None else 0,
+                         resume_task[0].epochs_done if resume_task is not None else 0)
             writer.progress[mc.name] = (start.next_task if start is not None else 0, n_tasks)
             own = not type(method).__module__.startswith("continual_blr.")
             initial = copy.deepcopy(model) if save and own else None  # what a resume sets the method up on
@@ -458,12 +499,28 @@ def run_config(cfg: RunConfig, save: bool = True, *, overwrite: bool = False, re
                         log.generalisation(progress.next_task - 1, *loo)
                     writer.write_results()
 
+            saved_at = [time.perf_counter()]  # when this method's last checkpoint (of either kind) was written
+
+            def on_epoch_state(make, model: nn.Module, method: Method, mc=mc, initial=initial, train=train) -> None:
+                if time.perf_counter() - saved_at[0] < checkpoint_every:
+                    return
+                unsaved = _own_unsaved(mc, cfg, stream, train, method, initial) if initial is not None else []
+                with deferred_interrupts():
+                    writer.epoch_checkpoint(mc.name, make(), model, method, unsaved)
+                saved_at[0] = time.perf_counter()
+
+            def at_task_end(progress: LoopProgress, model: nn.Module, method: Method) -> None:
+                on_task_end(progress, model, method)
+                saved_at[0] = time.perf_counter()
+
             try:
                 result = run_stream(model, stream, method, train, seed=cfg.seed, device=cfg.device,
                                     progress=cfg.progress, config=record, resume=start, restore=restore,
-                                    on_task_end=on_task_end,
+                                    on_task_end=at_task_end,
                                     on_epoch=_epoch_hooks(on_epoch, None if log is None else
-                                    (lambda i, e, loss, m=method, lg=log: lg.epoch(i, e, loss, m.epoch_stats()))))
+                                    (lambda i, e, loss, m=method, lg=log: lg.epoch(i, e, loss, m.epoch_stats()))),
+                                    resume_task=resume_task,
+                                    on_epoch_state=on_epoch_state if save and checkpoint_every is not None else None)
             finally:
                 if log is not None:
                     log.close()

@@ -100,6 +100,10 @@ BAD_INPUT = [
     ("--seeds with a negative", lambda t: ["run", "--seeds", "0", "-2"], ["--seeds", "-2", ">= 0"]),
     ("--seed and --seeds", lambda t: ["run", "--seed", "1", "--seeds", "0", "1"], ["--seed", "--seeds"]),
     ("--log-loo with --seeds", lambda t: ["run", "--log-loo", "--seeds", "0", "1"], ["--log-loo", "--seeds"]),
+    ("--checkpoint-every -1", lambda t: ["run", "--checkpoint-every", "-1"], ["--checkpoint-every", "-1", ">= 0"]),
+    ("--checkpoint-every nan", lambda t: ["run", "--checkpoint-every", "nan"], ["--checkpoint-every", "nan"]),
+    ("--checkpoint-every with --seeds", lambda t: ["run", "--checkpoint-every", "5", "--seeds", "0", "1"],
+     ["--checkpoint-every", "--seeds"]),
     ("no subcommand", lambda t: [], ["command"]),
 ]
 

@@ -183,6 +183,84 @@ def test_sigint_to_a_subprocess_then_resume(config, reference, tmp_path):
     _assert_same_run(reference, out)
 
 
+def _count_calls(monkeypatch, name: str) -> dict[str, int]:
+    """Count the calls of ``loop.<name>`` (patched through ``monkeypatch``)."""
+    original, count = getattr(loop, name), {"n": 0}
+
+    def counted(*args, **kwargs):
+        count["n"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(loop, name, counted)
+    return count
+
+
+# The config's tasks are 4 steps an epoch, 2 epochs: train_step call 8 + 4 + 2 is blr's task 1, epoch 2, step 2. vcl
+# (after 3 methods x 3 tasks x 8 steps) fine-tunes its coreset copy after each task through the same train_step (2
+# steps), so its task 1, epoch 2, step 2 is call 72 + 8 + 2 + 4 + 2.
+@pytest.mark.parametrize("calls", [8 + 4 + 2, 3 * 3 * 8 + 8 + 2 + 4 + 2],
+                         ids=["blr task 1 epoch 2", "vcl task 1 epoch 2"])
+def test_an_epoch_checkpoint_resumes_inside_the_task(config, reference, tmp_path, monkeypatch, capsys, calls):
+    """``--checkpoint-every 0`` writes ``<method>/epoch_checkpoint.pt`` after every epoch but a task's last; a run
+    stopped inside a task resumes from it and equals the uninterrupted run bit for bit (models, carried states,
+    logs). Oracle for where it resumed: the same interrupted folder without the epoch checkpoint resumes from the
+    task boundary, and redoes exactly the saved epochs' steps more. Planted: the task's optimiser state not loaded
+    (Adam restarted mid-task) fails the vcl case (blr's optimiser is the method's, restored with its state); the log
+    trim dropping the kept epochs' rows fails both."""
+    import shutil
+
+    out = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        _interrupt_after(patch, "train_step", calls)
+        assert main(["run", str(config), "--out", str(out), "--no-progress", "--checkpoint-every", "0"]) == 130
+    capsys.readouterr()
+    saved = [m for m in METHODS if (out / m / "epoch_checkpoint.pt").is_file()]
+    assert len(saved) == 1, saved  # the method under way (finished ones removed theirs at each task's end)
+    progress = _load(out / saved[0] / "epoch_checkpoint.pt")["progress"]
+    assert progress["task"] == 1 and progress["epochs_done"] >= 1, progress
+    boundary = tmp_path / "boundary"
+    shutil.copytree(out, boundary)
+    (boundary / saved[0] / "epoch_checkpoint.pt").unlink()
+    steps = {}
+    for folder in (out, boundary):
+        with monkeypatch.context() as patch:
+            count = _count_calls(patch, "train_step")
+            assert main(["run", "--resume", str(folder), "--no-progress"]) == 0
+        steps[folder] = count["n"]
+        _assert_same_run(reference, folder)
+        assert not any((folder / m / "epoch_checkpoint.pt").exists() for m in METHODS)
+    assert steps[boundary] - steps[out] == 4 * progress["epochs_done"], steps
+
+
+def test_epoch_checkpoints_change_no_result(config, reference, tmp_path, capsys):
+    """A run that writes a checkpoint after every epoch (``--checkpoint-every 0``: the state is read, never
+    changed) equals one that writes them only at task boundaries, bit for bit."""
+    out = tmp_path / "run"
+    assert main(["run", str(config), "--out", str(out), "--no-progress", "--threads", "1",
+                 "--checkpoint-every", "0"]) == 0
+    capsys.readouterr()
+    _assert_same_run(reference, out)
+
+
+def test_an_epoch_checkpoint_inside_the_warm_up_resumes_exactly(tmp_path, monkeypatch, capsys):
+    """A warm-up longer than an epoch (``train.warmup_steps`` 6, 4 steps an epoch) stopped in its second epoch: the
+    resumed task takes the warm-up's remaining steps at the saved ramp, and equals the uninterrupted run. Planted:
+    the warm-up counter not restored (the ramp restarted mid-task) fails."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("stream: {name: synthetic, options: {n_tasks: 2, n_train: 40}}\nmodel: {hidden: [8]}\n"
+                   "train: {epochs: 3, batch_size: 10, warmup_steps: 6}\nseed: 2\nmethods: [ewc]\n")
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    assert main(["run", str(cfg), "--out", str(ref), "--no-progress"]) == 0
+    with monkeypatch.context() as patch:
+        _interrupt_after(patch, "train_step", 12 + 4 + 1)  # task 1, epoch 2, step 1: warm-up step 5 of 6
+        assert main(["run", str(cfg), "--out", str(out), "--no-progress", "--checkpoint-every", "0"]) == 130
+    assert _load(out / "ewc" / "epoch_checkpoint.pt")["progress"]["warmup_done"] == 4
+    assert main(["run", "--resume", str(out), "--no-progress"]) == 0
+    capsys.readouterr()
+    assert _matrices(ref) == _matrices(out)
+    _same(_load(ref / "ewc" / "model.pt"), _load(out / "ewc" / "model.pt"), "model")
+
+
 @pytest.mark.slow
 def test_sigterm_is_an_interrupt_too(config, tmp_path):
     out = tmp_path / "run"
@@ -201,29 +279,40 @@ def test_sigterm_is_an_interrupt_too(config, tmp_path):
     json.loads((out / "results.json").read_text())  # still valid
 
 
-def _run_interrupt_resume(tmp_path, monkeypatch, method: str, name: str, calls: int):
-    """A 3-task synthetic run of ``method`` (a YAML method entry) straight through and interrupted after ``calls``
-    calls of ``name`` then resumed; asserts equal accuracy matrices and returns the two run folders."""
+def _run_interrupt_resume(tmp_path, monkeypatch, method: str, name: str, calls: int, every: list[str] | None = None,
+                          n_train: int = 40):
+    """A 3-task synthetic run of ``method`` (a YAML method entry; ``n_train`` examples a task, batches of 10, 2
+    epochs) straight through and interrupted after ``calls`` calls of ``name`` then resumed; asserts equal accuracy
+    matrices and returns the two run folders. ``every``: extra flags of the interrupted run (``--checkpoint-every
+    0``: it resumes from an epoch checkpoint)."""
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("stream: {name: synthetic, options: {n_tasks: 3, n_train: 40}}\nmodel: {hidden: [8]}\n"
+    cfg.write_text(f"stream: {{name: synthetic, options: {{n_tasks: 3, n_train: {n_train}}}}}\nmodel: {{hidden: [8]}}\n"
                    f"train: {{epochs: 2, batch_size: 10}}\nseed: 5\nmethods: [{method}]\n")
     ref, out = tmp_path / "ref", tmp_path / "run"
     assert main(["run", str(cfg), "--out", str(ref), "--no-progress"]) == 0
     with monkeypatch.context() as patch:
         _interrupt_after(patch, name, calls)
-        assert main(["run", str(cfg), "--out", str(out), "--no-progress"]) == 130
+        assert main(["run", str(cfg), "--out", str(out), "--no-progress", *(every or [])]) == 130
+    if every:  # the resume below starts inside the task, from the epoch checkpoint
+        assert list(out.glob("*/epoch_checkpoint.pt")), "no epoch checkpoint where the run stopped"
     assert main(["run", "--resume", str(out), "--no-progress"]) == 0
     assert _matrices(ref) == _matrices(out)
     return ref, out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, calls", [("fit_task", 2), ("train_step", 8 + 3)], ids=["boundary", "mid-task"])
+@pytest.mark.parametrize("name, calls, every", [("fit_task", 2, None), ("train_step", 16 + 3, None),
+                                               ("train_step", 16 + 8 + 2, ["--checkpoint-every", "0"])],
+                         ids=["boundary", "mid-task", "epoch checkpoint"])
 @pytest.mark.parametrize("method", sorted(__import__("continual_blr.methods", fromlist=["METHODS"]).METHODS))
-def test_every_method_resumes_exactly(method, name, calls, tmp_path, monkeypatch, capsys):
+def test_every_method_resumes_exactly(method, name, calls, every, tmp_path, monkeypatch, capsys):
     """Every registered method, with its default parameters, interrupted at the start of / inside its 2nd
-    task (or an auxiliary fit near it) and resumed."""
-    ref, out = _run_interrupt_resume(tmp_path, monkeypatch, method, name, calls)
+    task (or an auxiliary fit near it) and resumed: from the task boundary, or from the epoch checkpoint inside
+    the task (8 steps an epoch: call 16 + 8 + 2 is in the 2nd epoch of task 1 where no auxiliary fit comes first).
+    Tasks of 80 examples: VCL's default k-center coreset of 40 a task leaves 40 to train on (with 40, none)."""
+    if every and method == "joint":  # joint's task 1 trains on tasks 0 and 1: 16 steps an epoch
+        calls = 16 + 16 + 2
+    ref, out = _run_interrupt_resume(tmp_path, monkeypatch, method, name, calls, every, n_train=80)
     _same(_load(ref / method / "model.pt"), _load(out / method / "model.pt"), "model")
     _same(_load(ref / method / "method.pt"), _load(out / method / "method.pt"), "method")
 
